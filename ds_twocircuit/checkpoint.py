@@ -1,0 +1,100 @@
+"""Save and resume *all* training state.
+
+DeepSpeed's ``save_checkpoint`` writes the standard layout (per-layer weights, which the anchor
+circuit and the eval CLI read) but keeps only data-parallel rank 0's optimizer and no state of
+ours. Replicas are not identical under DiLoCo (local weights, inner optimizer) or PowerSGD (error
+buffers), so every rank also writes ``<tag>/twocircuit/stage{S}_dp{D}.pt`` with its optimizer
+state (spectral-correction state included), DP-backend state, local weights when they may differ
+from rank 0's, and RNG state. A resumed run continues exactly where the saved one stopped: the
+data position and the PRF mask keys are functions of the global step DeepSpeed restores.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+STATE_DIR = "twocircuit"
+
+
+def _rank_file(ckpt_dir: str, tag: str, stage: int, dp_rank: int) -> str:
+    return os.path.join(ckpt_dir, tag, STATE_DIR, f"stage{stage:02d}_dp{dp_rank:04d}.pt")
+
+
+def save_training_state(engine, ckpt_dir: str) -> str:
+    tag = f"global_step{engine.global_steps}"
+    backend = engine.dp_backend
+    if backend is not None and hasattr(backend, "finish_pending"):
+        backend.finish_pending()
+    engine.save_checkpoint(ckpt_dir, tag=tag, client_state={
+        "twocircuit": {"pp": engine.num_stages, "dp": engine.dp_world_size,
+                       "dp_backend": engine.tc.dp_config.backend, "mask_seed": engine.mask_seed}})
+    path = _rank_file(ckpt_dir, tag, engine.stage_id, engine.dp_rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {
+        "global_steps": engine.global_steps,
+        "optimizer": engine.optimizer.state_dict(),
+        "dp_backend": backend.state_dict() if backend is not None else None,
+        "module": engine.module.state_dict() if getattr(backend, "replicas_may_differ", False) else None,
+        "rng": torch.get_rng_state(),
+    }
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(ckpt_dir, tag, STATE_DIR, "COMPLETE.json"), "w") as f:
+            json.dump({"global_steps": engine.global_steps, "pp": engine.num_stages,
+                       "dp": engine.dp_world_size, "backend": engine.tc.dp_config.backend}, f)
+    dist.barrier()
+    return os.path.join(ckpt_dir, tag)
+
+
+def _resolve_tag(ckpt_dir: str) -> tuple[str, str]:
+    if os.path.isfile(os.path.join(ckpt_dir, STATE_DIR, "COMPLETE.json")):  # a tag folder itself
+        return os.path.dirname(os.path.abspath(ckpt_dir)), os.path.basename(os.path.abspath(ckpt_dir))
+    latest = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(latest):
+        raise ConfigError(f"--resume {ckpt_dir!r}: no 'latest' file and no {STATE_DIR}/COMPLETE.json; "
+                          "expected a folder written with --save-checkpoint")
+    return ckpt_dir, open(latest).read().strip()
+
+
+def load_training_state(engine, ckpt_dir: str) -> int:
+    """Restore everything; returns the global step to continue from."""
+    root, tag = _resolve_tag(ckpt_dir)
+    meta_path = os.path.join(root, tag, STATE_DIR, "COMPLETE.json")
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"--resume {ckpt_dir!r}: checkpoint {tag} is incomplete ({meta_path} missing)")
+    meta = json.load(open(meta_path))
+    if meta["pp"] != engine.num_stages:
+        raise ConfigError(f"--resume: checkpoint has pp={meta['pp']}, this run pp={engine.num_stages}; "
+                          "resume with the same --pp")
+    backend_name = engine.tc.dp_config.backend
+    if meta["backend"] != backend_name:
+        raise ConfigError(f"--resume: checkpoint used twocircuit.dp.backend={meta['backend']!r}, this run "
+                          f"{backend_name!r}")
+    same_dp = meta["dp"] == engine.dp_world_size
+    if not same_dp and backend_name != "allreduce":
+        raise ConfigError(f"--resume: checkpoint has dp={meta['dp']}, this run dp={engine.dp_world_size}. "
+                          f"Backend {backend_name!r} keeps per-replica state (error buffers, local "
+                          "weights) that cannot be re-sharded; resume with the same --dp, or use "
+                          "allreduce")
+    engine.load_checkpoint(root, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=True)
+    src_dp = engine.dp_rank if same_dp else 0  # allreduce: every replica's state equals rank 0's
+    state = torch.load(_rank_file(root, tag, engine.stage_id, src_dp), map_location="cpu",
+                       weights_only=False)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    if state["module"] is not None:
+        engine.module.load_state_dict(state["module"])
+    if engine.dp_backend is not None and state["dp_backend"] is not None:
+        engine.dp_backend.load_state_dict(state["dp_backend"])
+    torch.set_rng_state(state["rng"])
+    if engine.global_steps != state["global_steps"]:
+        raise ConfigError(f"--resume: DeepSpeed restored step {engine.global_steps} but "
+                          f"{STATE_DIR} state is from step {state['global_steps']}")
+    return engine.global_steps

@@ -1,0 +1,87 @@
+"""Process-group setup for one launch that may hold two circuits.
+
+``deepspeed``/``torchrun`` start ``WORLD_SIZE`` processes. The first ``fast`` ranks form the fast
+circuit's world, the remaining ``anchor`` ranks the anchor circuit's world: a DeepSpeed pipeline
+topology must span its whole world, so each circuit gets its own default process group. Both
+rendezvous through the launcher's store (``env://``, hosted on MASTER_ADDR; no assumption that
+ranks share a host) under different prefixes, so one launch line starts both circuits on any
+number of nodes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass
+class World:
+    role: str            # "fast" or "anchor"
+    rank: int            # rank inside the circuit's world
+    size: int            # size of the circuit's world
+    global_rank: int
+    global_size: int
+    local_rank: int
+    backend: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(global rank, global world size, local rank); a plain ``python`` run is a world of one."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1",
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def prepare_runtime() -> None:
+    """Process-wide settings that must precede ``import deepspeed`` side effects."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ds_twocircuit",
+        "torch_extensions"))
+    import deepspeed  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        # The shared-memory comm op (~1 min JIT build) only serves inference all-reduce.
+        import importlib
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def comm_backend() -> str:
+    from deepspeed.accelerator import get_accelerator
+    name = get_accelerator().communication_backend_name()
+    return "gloo" if name == "ccl" else name  # oneCCL has no send/recv (DeepSpeed #5313)
+
+
+def init_world(anchor_ranks: int = 0, timeout_s: int = 1800) -> World:
+    """Initialise torch.distributed (and DeepSpeed's comm) for this process's circuit."""
+    import torch.distributed as dist
+    import deepspeed
+
+    grank, gsize, lrank = launcher_env()
+    backend = comm_backend()
+    fast = gsize - anchor_ranks
+    role = "fast" if grank < fast else "anchor"
+    rank, size = (grank, fast) if role == "fast" else (grank - fast, anchor_ranks)
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(lrank)
+    if anchor_ranks == 0:
+        dist.init_process_group(backend, init_method="env://", rank=grank, world_size=gsize,
+                                timeout=timedelta(seconds=timeout_s))
+    else:
+        store, _, _ = next(dist.rendezvous("env://", rank=grank, world_size=gsize,
+                                           timeout=timedelta(seconds=timeout_s)))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"twocircuit/{role}/", store),
+                                rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return World(role, rank, size, grank, gsize, lrank, backend)

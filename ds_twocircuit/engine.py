@@ -1,0 +1,194 @@
+"""MaskedPipelineEngine: DeepSpeed's PipelineEngine with compressed stage boundaries.
+
+A thin adapter. The four boundary instructions (send/recv activations, send/recv gradients)
+hand their tensor to a codec (``codec.py``) and put only the codec's wire tensors on the link;
+the data-parallel gradient all-reduce is delegated to a pluggable DP backend (``dp/``). Every
+byte sent is counted where it is sent (``wire.py``).
+
+Message identity: messages on one (link, direction) are FIFO in micro-batch order on both ends
+(1F1B), so a per-step counter per (kind, direction) gives the micro-batch index without any
+coordination. The PRF key is (mask seed, boundary, global step, global micro-batch index, H)
+with the global micro-batch index = dp_rank * gas + local index (see ``data.MicroBatchStream``).
+DeepSpeed's buffer ids differ between sender and receiver and are never used for keys.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from deepspeed.runtime.pipe import p2p, schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from . import masks, wire
+from .codec import Message, make_codec
+
+EVAL_STEP_OFFSET = 1 << 40  # eval_batch keys live apart from training keys
+META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
+
+
+class MaskedPipelineEngine(PipelineEngine):
+    """Configure with :meth:`setup_twocircuit` right after construction."""
+
+    def setup_twocircuit(self, tc, mask_seed: int, dp_backend=None):
+        self.tc = tc
+        self.mask_seed = int(mask_seed)
+        self.codec = make_codec(tc.mode, tc.wire_dtype)
+        self.schedule_p = masks.MaskSchedule(tc.effective_mask_rate, tc.warmup_steps, tc.ramp_steps)
+        self.dp_backend = dp_backend
+        self.dp_rank = self.grid.get_data_parallel_id()
+        self._key_step = 0
+        self._counters = {}
+        self._evaluating = False
+        self.timing = {"codec_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "dp_s": 0.0}
+        self.step_stats: dict = {}
+
+    # ------------------------------------------------------------------ message identity
+    def _message(self, kind: str, boundary: int, shape) -> Message:
+        n = self._counters.get(kind, 0)
+        self._counters[kind] = n + 1
+        micro = self.dp_rank * self.micro_batches + n
+        hidden = int(shape[-1])
+        sched_step = self._key_step % EVAL_STEP_OFFSET
+        keep = hidden if self.tc.mode == "dense" else self.schedule_p.keep(sched_step, hidden)
+        scale = 1.0
+        if self.tc.rescale and keep < hidden:
+            scale = 1.0 / (1.0 - self.schedule_p.rate(sched_step))
+        key = masks.mask_key(self.mask_seed, boundary, self._key_step, micro, hidden)
+        return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep, scale=scale)
+
+    def _begin(self, key_step: int):
+        self._key_step = key_step
+        self._counters = {}
+        self.codec.reset()
+
+    def keep_fraction(self, step: int, hidden: int) -> float:
+        if self.tc.mode == "dense":
+            return 1.0
+        return self.schedule_p.keep(step, hidden) / hidden
+
+    def train_batch(self, data_iter=None):
+        self._begin(self.global_steps)
+        step = self.global_steps
+        out = super().train_batch(data_iter)
+        if self.dp_backend is not None:
+            self.step_stats = self.dp_backend.pop_step_stats()
+        self.step_stats["step"] = step
+        return out
+
+    def eval_batch(self, data_iter, **kw):
+        self._begin(EVAL_STEP_OFFSET + self.global_steps)
+        self._evaluating = True
+        try:
+            return super().eval_batch(data_iter, **kw)
+        finally:
+            self._evaluating = False
+
+    # ------------------------------------------------------------------ boundary instructions
+    def _send(self, tensors, stage, kind):
+        if self._evaluating:
+            kind = "pp_eval"
+        for t in tensors:
+            p2p.send(t, stage)
+            wire.count(kind, wire.tensor_bytes(t))
+
+    def _exec_send_activations(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if not torch.is_tensor(outputs):
+            raise TypeError("MaskedPipelineEngine passes exactly one tensor between stages")
+        if self.first_output_send:
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+            wire.count("pp_eval" if self._evaluating else "pp_handshake", META_BYTES)
+        msg = self._message("act_send", self.stage_id, outputs.shape)
+        t0 = time.perf_counter()
+        payload = self.codec.pack_activation(outputs, msg)
+        self.timing["codec_s"] += time.perf_counter() - t0
+        self._send(payload, self.next_stage, "pp_activations")
+
+    def _exec_recv_activations(self, buffer_id):
+        if self.pipe_recv_buf is None:
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
+        ref = self.pipe_recv_buf
+        msg = self._message("act_recv", self.stage_id - 1, ref.shape)
+        bufs = self.codec.activation_buffers(msg, ref.dtype, ref.device)
+        for b in bufs:
+            p2p.recv(b, self.prev_stage)
+        t0 = time.perf_counter()
+        x = self.codec.unpack_activation(bufs, msg, ref.dtype)
+        self.timing["codec_s"] += time.perf_counter() - t0
+        x = x.detach().contiguous()
+        x.requires_grad = x.is_floating_point()
+        self.pipe_buffers["inputs"][buffer_id] = x
+
+    def _exec_send_grads(self, buffer_id):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        assert inputs.grad is not None, "boundary input received no gradient"
+        msg = self._message("grad_send", self.stage_id - 1, inputs.shape)
+        t0 = time.perf_counter()
+        payload = self.codec.pack_gradient(inputs.grad, msg)
+        self.codec.forget(msg)
+        self.timing["codec_s"] += time.perf_counter() - t0
+        self._send(payload, self.prev_stage, "pp_gradients")
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        msg = self._message("grad_recv", self.stage_id, outputs.shape)
+        bufs = self.codec.gradient_buffers(msg, outputs.dtype, outputs.device)
+        for b in bufs:
+            p2p.recv(b, self.next_stage)
+        t0 = time.perf_counter()
+        self.grad_layer = self.codec.unpack_gradient(bufs, msg, outputs.dtype)
+        self.codec.forget(msg)
+        self.timing["codec_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ compute timing
+    def _exec_forward_pass(self, buffer_id):
+        t0 = time.perf_counter()
+        super()._exec_forward_pass(buffer_id)
+        self.timing["forward_s"] += time.perf_counter() - t0
+
+    def _exec_backward_pass(self, buffer_id):
+        t0 = time.perf_counter()
+        super()._exec_backward_pass(buffer_id)
+        self.timing["backward_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ data parallel
+    def _exec_reduce_tied_grads(self):
+        for weight, group in self.module.get_tied_weights_and_groups():
+            grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
+            if grad is not None:
+                n = torch.distributed.get_world_size(group=group)
+                wire.count("pp_tied", wire.ring_allreduce_bytes(wire.tensor_bytes(grad), n))
+        super()._exec_reduce_tied_grads()
+
+    def _exec_reduce_grads(self):
+        t0 = time.perf_counter()
+        self._force_grad_boundary = True
+        if self.dp_backend is not None:
+            self.dp_backend.reduce_gradients(self.global_steps)
+        elif self.pipeline_enable_backward_allreduce:
+            raise RuntimeError("MaskedPipelineEngine needs a DP backend (setup_twocircuit)")
+        self._force_grad_boundary = False
+        self.timing["dp_s"] += time.perf_counter() - t0
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        step = self.global_steps
+        super()._exec_optimizer_step(lr_kwargs)
+        if self.dp_backend is not None:
+            t0 = time.perf_counter()
+            self.dp_backend.after_optimizer_step(step)
+            self.timing["dp_s"] += time.perf_counter() - t0
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        schedule.ReduceGrads: _exec_reduce_grads,
+        schedule.OptimizerStep: _exec_optimizer_step,
+    }

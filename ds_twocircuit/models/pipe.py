@@ -1,0 +1,73 @@
+"""DeepSpeed adapter: the pipeline layers of ``layers.py`` as a ``PipelineModule``.
+
+Only the layers of the local stage are built (LayerSpec), and their weights are read tensor by
+tensor from the Hugging Face folder. Partitioning comes from :func:`layers.partition_parts` so the
+single-process reference and masked inference place boundaries exactly where the engine does.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from .layers import (DecoderPipe, EmbedPipe, HeadPipe, ModelSpec, NormPipe, PIPE_LAYER_TYPES,
+                     WeightReader, causal_lm_loss, hf_state_of, load_layer_weights, partition_parts,
+                     tied_head_forward)
+
+
+class TwoCircuitPipe(PipelineModule):
+    """PipelineModule whose stage boundaries come from :func:`partition_parts`."""
+
+    def __init__(self, layers, num_decoders: int, partition: str, **kw):
+        self._tc_num_decoders = num_decoders
+        self._tc_partition = partition
+        super().__init__(layers, **kw)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = partition_parts(self._tc_num_decoders, self.num_stages, self._tc_partition)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def layer_specs(spec: ModelSpec, tied_mode: str) -> list:
+    """``tied_mode`` for models with tied embeddings: ``sync`` keeps one tied weight (its gradient
+    is all-reduced between the first and last stage every step), ``untie`` gives the head its own
+    copy (no traffic; saved untied), ``freeze`` keeps it tied and frozen (no traffic)."""
+    tied = spec.tied and tied_mode in ("sync", "freeze")
+    specs = [TiedLayerSpec("embed", EmbedPipe, spec, tied_weight_attr=["embed_tokens.weight"]) if tied
+             else LayerSpec(EmbedPipe, spec)]
+    specs += [LayerSpec(DecoderPipe, spec, i) for i in range(spec.num_layers)]
+    specs.append(LayerSpec(NormPipe, spec))
+    if tied:
+        specs.append(TiedLayerSpec("embed", EmbedPipe, spec, forward_fn=tied_head_forward,
+                                   tied_weight_attr=["embed_tokens.weight"]))
+    else:
+        specs.append(LayerSpec(HeadPipe, spec))
+    return specs
+
+
+def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "type",
+                   tied_mode: str = "untie", dtype=torch.float32) -> TwoCircuitPipe:
+    module = TwoCircuitPipe(layer_specs(spec, tied_mode), num_decoders=spec.num_layers,
+                            partition=partition, num_stages=num_stages, loss_fn=causal_lm_loss,
+                            partition_method="type:DecoderPipe", activation_checkpoint_interval=0)
+    reader = WeightReader(spec.folder)
+    for m in module.modules():
+        if isinstance(m, PIPE_LAYER_TYPES):
+            load_layer_weights(m, spec, reader)
+    module.to(dtype)
+    if spec.tied and tied_mode == "freeze":
+        for m in module.modules():
+            if isinstance(m, EmbedPipe):
+                m.embed_tokens.weight.requires_grad_(False)
+    return module
+
+
+def stage_hf_state(module: TwoCircuitPipe, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """This stage's weights under their Hugging Face names (tied modules once)."""
+    out = {}
+    for m in module.modules():
+        if isinstance(m, PIPE_LAYER_TYPES):
+            sd = m.state_dict()
+            for local, hf in hf_state_of(m, spec).items():
+                out[hf] = sd[local].detach().to("cpu").clone()
+    return out

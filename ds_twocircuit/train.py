@@ -1,0 +1,469 @@
+"""The training entry point behind ``launch/train.py``.
+
+One obvious path: validate everything (no process group yet) -> start the circuit's world ->
+build the local pipeline stage from the HF folder -> MaskedPipelineEngine -> train, logging every
+step -> evaluate held-out loss (dense and masked inference) -> sum the wire bytes of all ranks ->
+write ``summary.json`` and the adapted model as a Hugging Face folder.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load_ds_config
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "ds_configs", "m95.json")
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/train.py",
+        description="Two-circuit masked pipeline-parallel adaptation of a Hugging Face causal LM "
+                    "on DeepSpeed. Launch with `deepspeed --num_gpus N launch/train.py ...`.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="HF model folder, hub id, or preset: smollm2-135m (default, offline), tiny")
+    p.add_argument("--data", default="stdlib",
+                   help="stdlib (default: the Python standard library's source), a folder of text "
+                        "files, a .jsonl file, or hf:<datasets name>")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2, or 1 for one process)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: fast ranks / pp)")
+    p.add_argument("--anchor-replicas", type=int, default=None,
+                   help="Z: anchor pipeline replicas on reserved ranks (default: the config's)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per step per replica (default: the config's gradient_accumulation_steps)")
+    p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    p.add_argument("--seed", type=int, default=0, help="data order and mask seed (default 0)")
+    p.add_argument("--output-dir", default=None, help="default: runs/<config name>")
+    p.add_argument("--eval-sequences", type=int, default=32,
+                   help="held-out sequences scored at start and end, dense and masked (0: skip)")
+    p.add_argument("--save-checkpoint", action="store_true",
+                   help="also write a DeepSpeed checkpoint (weights + optimizer + DP state) at the end")
+    p.add_argument("--resume", default=None, help="DeepSpeed checkpoint folder to resume from")
+    p.add_argument("--no-save-model", action="store_true", help="skip writing <output_dir>/hf")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deepspeed", dest="deepspeed_flag", action="store_true", default=False,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="config", default=None,
+                   help="DeepSpeed JSON config with a \"twocircuit\" section (default ds_configs/m95.json)")
+    return p
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--deepspeed path.json` (DeepSpeed's own spelling) and `--deepspeed_config path.json`
+    fixed = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--deepspeed" and i + 1 < len(argv) and argv[i + 1].endswith(".json"):
+            fixed += ["--deepspeed_config", argv[i + 1]]
+            i += 2
+            continue
+        if a.startswith("--deepspeed=") and a.endswith(".json"):
+            fixed += ["--deepspeed_config", a.split("=", 1)[1]]
+            i += 1
+            continue
+        fixed.append(a)
+        i += 1
+    args = build_parser().parse_args(fixed)
+    args.config = args.config or DEFAULT_CONFIG
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation and planning: everything that can be wrong is found here, before any process group.
+
+class Plan:
+    pass
+
+
+def _batch_setting(ds: dict, key: str, flag_value, default: int, path: str) -> int:
+    v = flag_value if flag_value is not None else ds.get(key, default)
+    if v == "auto" or v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{path}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def make_plan(args, world_size: int) -> Plan:
+    from .data import load_documents, split_documents
+    from .models.layers import ModelSpec, partition_parts
+    from .models.presets import resolve_model
+
+    plan = Plan()
+    plan.args = args
+    ds = load_ds_config(args.config)
+    plan.config_name = os.path.splitext(os.path.basename(args.config))[0]
+    tc = TwoCircuitConfig.from_dict(ds.pop("twocircuit", {}))
+    plan.tc = tc
+
+    z = args.anchor_replicas if args.anchor_replicas is not None else (
+        tc.anchor.replicas if tc.anchor.enabled else 0)
+    if z < 0:
+        raise ConfigError(f"--anchor-replicas must be >= 0, got {z}")
+    pp = args.pp or (2 if world_size >= 2 and world_size - 0 >= 2 else 1)
+    plan.anchor_ranks = z * pp
+    fast = world_size - plan.anchor_ranks
+    if fast < pp or fast % pp:
+        raise ConfigError(f"{world_size} processes cannot hold pp={pp} fast stages"
+                          + (f" plus {z} anchor replica(s) of {pp} ranks" if z else "")
+                          + f": the fast ranks ({fast}) must be a positive multiple of --pp")
+    dp = args.dp or fast // pp
+    if dp * pp != fast:
+        raise ConfigError(f"--dp {dp} x --pp {pp} = {dp * pp} but {fast} fast ranks were launched "
+                          f"({world_size} processes{f', {plan.anchor_ranks} anchor ranks' if z else ''})")
+    plan.pp, plan.dp, plan.z = pp, dp, z
+    check_deepspeed_section(ds, pp, args.config)
+
+    plan.model_folder = resolve_model(args.model)
+    spec = ModelSpec(plan.model_folder)
+    plan.spec = spec
+    partition_parts(spec.num_layers, pp, tc.partition)  # raises on more stages than layers
+    if args.seq_len < 2:
+        raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if spec.max_positions and args.seq_len > spec.max_positions:
+        raise ConfigError(f"--seq-len {args.seq_len} is above the model's limit "
+                          f"(max_position_embeddings = {spec.max_positions})")
+    window = getattr(spec.config, "sliding_window", None)
+    if window and getattr(spec.config, "use_sliding_window", True) and args.seq_len > window:
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's sliding window ({window}); "
+                          "sliding-window attention across a pipeline is not supported")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+
+    docs = load_documents(args.data)
+    plan.train_docs, plan.heldout_docs = split_documents(docs)
+    if not plan.train_docs:
+        raise ConfigError(f"--data {args.data!r}: no training documents left after the held-out split")
+
+    mb = _batch_setting(ds, "train_micro_batch_size_per_gpu", args.micro_batch_size, 2, args.config)
+    gas = _batch_setting(ds, "gradient_accumulation_steps", args.grad_accum, 4, args.config)
+    tbs = ds.get("train_batch_size", "auto")
+    if tbs not in ("auto", None) and args.micro_batch_size is None and args.grad_accum is None \
+            and tbs != mb * gas * dp:
+        raise ConfigError(f"{args.config}: train_batch_size = {tbs} but train_micro_batch_size_per_gpu "
+                          f"({mb}) x gradient_accumulation_steps ({gas}) x dp ({dp}) = {mb * gas * dp}; "
+                          f"set it to \"auto\"")
+    ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"] = mb, gas
+    ds["train_batch_size"] = mb * gas * dp
+    ds.setdefault("steps_per_print", 10 ** 9)
+    ds.setdefault("wall_clock_breakdown", False)
+    plan.mb, plan.gas = mb, gas
+
+    opt = ds.pop("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
+    otype = str(opt.get("type", "AdamW"))
+    if otype.lower() not in OPTIMIZERS:
+        raise ConfigError(f"{args.config}: optimizer.type = {otype!r}; allowed: "
+                          f"{', '.join(sorted(OPTIMIZERS.values()))}")
+    params = {k: v for k, v in (opt.get("params") or {}).items() if k not in ("torch_adam", "adam_w_mode")}
+    if args.lr is not None:
+        params["lr"] = args.lr
+    plan.optimizer = (OPTIMIZERS[otype.lower()], params)
+    if tc.dp_config.backend in ("diloco", "streaming_diloco"):
+        zero = (ds.get("zero_optimization") or {}).get("stage", 0)
+        if zero >= 1:
+            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} keeps "
+                              f"replicas apart between syncs; zero_optimization.stage = {zero} re-syncs "
+                              "them every step. Use stage 0.")
+        if (ds.get("bf16") or {}).get("enabled") and pp > 1:
+            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} cannot run "
+                              "with bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "
+                              "re-syncs replicas every step); use fp32 or fp16")
+    plan.ds_config = ds
+    plan.output_dir = args.output_dir or os.path.join("runs", plan.config_name)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+
+def _optimizer(plan, params):
+    import torch
+    name, kw = plan.optimizer
+    cls = getattr(torch.optim, name)
+    if name in ("Adam", "AdamW") and torch.cuda.is_available():
+        kw = {**kw, "fused": True}
+    return cls(params, **kw)
+
+
+def _evaluate(engine, plan, seqs, masked: bool) -> float | None:
+    """Mean held-out loss over the first ``--eval-sequences`` held-out sequences."""
+    from .data import MicroBatchStream
+    per_call = plan.mb * plan.gas * plan.dp
+    calls = max(1, plan.args.eval_sequences // per_call)
+    saved_mode = engine.tc.mode
+    if not masked:
+        engine.tc.mode = "dense"
+    try:
+        it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
+        losses = [float(engine.eval_batch(it)) for _ in range(calls)]
+    finally:
+        engine.tc.mode = saved_mode
+    return sum(losses) / len(losses)
+
+
+def _gather_hf_state(engine, spec, world):
+    """All stage weights under HF names on global rank 0 (one stage at a time)."""
+    import torch.distributed as dist
+    from .models.pipe import stage_hf_state
+    state = stage_hf_state(engine.module, spec) if engine.grid.get_data_parallel_id() == 0 else {}
+    gathered = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    if world.rank != 0:
+        return None
+    out = {}
+    for part in gathered:
+        out.update(part)
+    return out
+
+
+def save_hf_folder(state: dict, plan, out: str) -> None:
+    """Write ``state`` (HF names) plus config and tokenizer as a save_pretrained folder."""
+    from safetensors.torch import save_file
+
+    tmp = out + ".partial"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    cfg = json.load(open(os.path.join(plan.model_folder, "config.json")))
+    tied_kept = plan.spec.tied and plan.tc.tied_embeddings in ("sync", "freeze")
+    if plan.spec.tied and not tied_kept:
+        cfg["tie_word_embeddings"] = False
+    if tied_kept:
+        state.pop("lm_head.weight", None)
+    cfg["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    for fn in TOKENIZER_FILES:
+        src = os.path.join(plan.model_folder, fn)
+        if os.path.isfile(src):
+            shutil.copy(src, tmp)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _allreduce_wire(world):
+    """Sum every rank's byte counters (all kinds) over the circuit's world."""
+    import torch
+    import torch.distributed as dist
+    from . import wire
+    t = wire.totals()
+    kinds = list(t)
+    vec = torch.tensor([t[k] for k in kinds], dtype=torch.float64)
+    if world.size > 1:
+        dist.all_reduce(vec)
+    return {k: int(v) for k, v in zip(kinds, vec.tolist())}
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    from .dist import launcher_env, prepare_runtime
+    grank, gsize, _ = launcher_env()
+    try:
+        plan = make_plan(args, gsize)
+    except ConfigError as e:
+        if grank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    prepare_runtime()
+    from .dist import init_world
+    world = init_world(plan.anchor_ranks)
+    if world.role == "anchor":
+        from .anchor.circuit import run_anchor
+        return run_anchor(plan, world)
+    return run_fast(plan, world)
+
+
+def run_fast(plan, world) -> int:
+    import deepspeed
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from tqdm import tqdm
+
+    from . import wire
+    from .data import MicroBatchStream, PackedSequences
+    from .dp.registry import get_backend
+    from .engine import MaskedPipelineEngine
+    from .models.pipe import build_pipeline
+    from transformers import AutoTokenizer
+
+    args, tc = plan.args, plan.tc
+    torch.manual_seed(args.seed)
+    is_rank0 = world.rank == 0
+    out_dir = plan.output_dir
+    if is_rank0:
+        os.makedirs(out_dir, exist_ok=True)
+
+    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = _optimizer(plan, trainable)
+    mpu = module.mpu()
+    ds_conf = DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu)
+    engine = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
+                                  mpu=mpu, config=copy.deepcopy(plan.ds_config), config_class=ds_conf)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    dp_group = engine.grid.get_data_parallel_group()
+    backend_cls = get_backend(tc.dp_config.backend)
+    dp_backend = backend_cls(named, dp_group if plan.dp > 1 else None, plan.dp,
+                             engine.grid.get_data_parallel_id(), tc.dp_config)
+    engine.pipeline_enable_backward_allreduce = False
+    mask_seed = tc.mask_seed if tc.mask_seed is not None else args.seed
+    engine.setup_twocircuit(tc, mask_seed, dp_backend)
+
+    tok = AutoTokenizer.from_pretrained(plan.model_folder)
+    train_seqs = PackedSequences(plan.train_docs, tok, args.seq_len, seed=args.seed, name=f"--data {args.data}")
+    held_seqs = PackedSequences(plan.heldout_docs, tok, args.seq_len, shuffle=False,
+                                name=f"--data {args.data} (held-out)") if plan.heldout_docs else None
+
+    start_step = 0
+    if args.resume:
+        from .checkpoint import load_training_state
+        start_step = load_training_state(engine, args.resume)
+    stream = MicroBatchStream(train_seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank, start_step=start_step)
+
+    evals = {}
+    if held_seqs is not None and args.eval_sequences > 0:
+        evals["heldout_loss_first"] = _evaluate(engine, plan, held_seqs, masked=False)
+        if tc.mode != "dense":
+            evals["heldout_loss_masked_first"] = _evaluate(engine, plan, held_seqs, masked=True)
+
+    tokens_per_step = plan.mb * plan.gas * plan.dp * args.seq_len
+    metrics_f = open(os.path.join(out_dir, "metrics.jsonl"), "w" if not args.resume else "a") if is_rank0 else None
+    bar = tqdm(total=args.steps, initial=0, desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}",
+               unit="step", disable=not is_rank0, dynamic_ncols=True)
+    losses = []
+    t_start = time.perf_counter()
+    hidden = plan.spec.hidden
+    for i in range(args.steps):
+        step = engine.global_steps
+        t0 = time.perf_counter()
+        before = wire.totals()
+        loss = float(engine.train_batch(stream))
+        dt = time.perf_counter() - t0
+        after = wire.totals()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {step}: training loss is {loss}")
+        losses.append(loss)
+        if is_rank0:
+            rec = {"step": step, "loss": loss, "tokens": tokens_per_step * (i + 1), "step_s": round(dt, 4),
+                   "tokens_per_s": round(tokens_per_step / dt, 2),
+                   "mask_rate": round(1.0 - engine.keep_fraction(step, hidden), 6),
+                   "lr": engine.get_lr()[0],
+                   "wire_bytes_rank0": {k: after[k] - before[k] for k in after if after[k] != before[k]}}
+            rec.update({f"dp.{k}": v for k, v in engine.step_stats.items() if k != "step"})
+            metrics_f.write(json.dumps(rec) + "\n")
+            metrics_f.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+            bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t_start
+    if is_rank0:
+        metrics_f.close()
+
+    if held_seqs is not None and args.eval_sequences > 0:
+        evals["heldout_loss"] = _evaluate(engine, plan, held_seqs, masked=False)
+        if tc.mode != "dense":
+            evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
+
+    if args.save_checkpoint:
+        from .checkpoint import save_training_state
+        save_training_state(engine, os.path.join(out_dir, "checkpoint"))
+
+    totals = _allreduce_wire(world)
+    timing = {k: float(v) for k, v in engine.timing.items()}
+    tvec = torch.tensor([timing[k] for k in sorted(timing)], dtype=torch.float64)
+    if world.size > 1:
+        torch.distributed.all_reduce(tvec)
+    timing = {k: v for k, v in zip(sorted(timing), tvec.tolist())}
+
+    state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
+    if is_rank0:
+        tokens = tokens_per_step * args.steps
+        wire_bytes = {"pp_activations": totals["pp_activations"], "pp_gradients": totals["pp_gradients"],
+                      "pp_handshake": totals["pp_handshake"], "pp_tied": totals["pp_tied"],
+                      "dp": totals["dp"], "anchor": totals["anchor"]}
+        eval_bytes = totals["pp_eval"]
+        summary = {
+            "config": {"file": args.config, "twocircuit": tc.to_dict(), "model": args.model,
+                       "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
+                       "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
+                       "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
+                       "mask_seed": mask_seed},
+            "steps": args.steps, "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 3),
+            "loss_first": losses[0], "loss_last": losses[-1],
+            "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z},
+            "mask_rate": tc.effective_mask_rate,
+            "kept_channels": (plan.spec.hidden if tc.mode == "dense"
+                              else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),
+            "hidden_size": plan.spec.hidden,
+            "wire_bytes": wire_bytes,
+            "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
+            "eval_wire_bytes": eval_bytes,
+            "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
+            **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},
+        }
+        if state is not None:
+            save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
+            summary["hf_folder"] = os.path.join(out_dir, "hf")
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print_summary(summary, out_dir)
+    torch.distributed.barrier()
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000.0
+    return str(n)
+
+
+def print_summary(s: dict, out_dir: str) -> None:
+    wb = s["wire_bytes"]
+    lines = [
+        "",
+        f"== ds-twocircuit: {os.path.basename(s['config']['file'])} on {s['config']['model']} "
+        f"(pp={s['mesh']['pp']} x dp={s['mesh']['dp']}"
+        + (f", anchor Z={s['mesh']['anchor_replicas']}" if s['mesh']['anchor_replicas'] else "") + ")",
+        f"steps {s['steps']}, tokens {s['tokens']:,}, wall {s['wall_s']:.1f} s, {s['tokens_per_s']:.1f} tokens/s",
+        f"train loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}",
+    ]
+    if "heldout_loss" in s:
+        ho = f"held-out loss (dense inference) {s.get('heldout_loss_first', float('nan')):.4f} -> {s['heldout_loss']:.4f}"
+        if "heldout_loss_masked" in s:
+            ho += f"; masked inference {s.get('heldout_loss_masked_first', float('nan')):.4f} -> {s['heldout_loss_masked']:.4f}"
+        lines.append(ho)
+    lines += [
+        f"mask rate {s['mask_rate']} ({s['kept_channels']} of {s['hidden_size']} channels kept per token), "
+        f"mode {s['config']['twocircuit']['mode']}",
+        "wire bytes: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in wb.items()),
+        f"bytes per token: {s['bytes_per_token']:.1f}",
+        f"outputs: {out_dir}/summary.json, {out_dir}/metrics.jsonl"
+        + (f", {s['hf_folder']} (Hugging Face folder)" if "hf_folder" in s else ""),
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    sys.exit(run())

@@ -1,0 +1,61 @@
+"""Byte accounting for everything the project sends over the network.
+
+Every send site calls :func:`count` with the kind of traffic and the number of payload bytes
+it put on the wire, from the rank that sent it.  Totals are per process; :func:`totals` returns
+a snapshot and the trainer sums the snapshots of all ranks at the end of a run.
+
+Kinds used by the project:
+  pp_activations, pp_gradients  -- pipeline boundary payloads (values, plus indices for Top-K)
+  pp_handshake                  -- DeepSpeed's dense shape/dtype meta messages
+  pp_tied                       -- tied-embedding gradient all-reduce between first/last stage
+  pp_eval                       -- boundary traffic of evaluation passes (not training traffic)
+  dp                            -- data-parallel synchronisation (all-reduce, PowerSGD, DiLoCo)
+  anchor                        -- anchor-circuit snapshots and anchor gradients
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+KINDS = ("pp_activations", "pp_gradients", "pp_handshake", "pp_tied", "pp_eval", "dp", "anchor")
+TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_handshake", "pp_tied", "dp", "anchor")
+
+_lock = threading.Lock()
+_bytes: dict[str, int] = defaultdict(int)
+_messages: dict[str, int] = defaultdict(int)
+
+
+def count(kind: str, nbytes: int, messages: int = 1) -> None:
+    """Record ``nbytes`` sent by this process as traffic of ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown wire kind {kind!r}; allowed: {', '.join(KINDS)}")
+    with _lock:
+        _bytes[kind] += int(nbytes)
+        _messages[kind] += int(messages)
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def ring_allreduce_bytes(payload_bytes: int, world: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) all-reduce of ``payload_bytes``."""
+    if world <= 1:
+        return 0
+    return (2 * (world - 1) * payload_bytes) // world
+
+
+def totals() -> dict[str, int]:
+    with _lock:
+        return {k: int(_bytes.get(k, 0)) for k in KINDS}
+
+
+def message_totals() -> dict[str, int]:
+    with _lock:
+        return {k: int(_messages.get(k, 0)) for k in KINDS}
+
+
+def reset() -> None:
+    with _lock:
+        _bytes.clear()
+        _messages.clear()

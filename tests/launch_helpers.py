@@ -1,0 +1,57 @@
+"""Run launch/train.py in real multi-process worlds (torchrun or the deepspeed launcher)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+CONFIGS = os.path.join(ROOT, "ds_configs")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def torchrun(nprocs: int, args: list[str], timeout: int = 600, check: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), TRAIN] + args
+    return _run(cmd, timeout, check)
+
+
+def deepspeed_launch(nprocs: int, args: list[str], timeout: int = 900, check: bool = True):
+    ds = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [ds, "--num_gpus", str(nprocs), "--master_port", str(free_port()), TRAIN] + args
+    return _run(cmd, timeout, check)
+
+
+def _run(cmd, timeout, check):
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def read_metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def read_summary(out_dir) -> dict:
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def read_weights(hf_dir) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(hf_dir, "model.safetensors"))

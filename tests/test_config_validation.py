@@ -1,0 +1,100 @@
+"""Bad input fails before any process group exists, naming the key or file and what is allowed."""
+import json
+import os
+
+import pytest
+
+from ds_twocircuit.config import ConfigError, TwoCircuitConfig
+from ds_twocircuit.train import make_plan, parse_args, run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(os.path.dirname(HERE), "ds_configs")
+
+
+def _cfg(tmp_path, **tc_over):
+    base = json.load(open(os.path.join(CONFIGS, "m95.json")))
+    top = tc_over.pop("_top", {})
+    base["twocircuit"].update(tc_over)
+    base.update(top)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(base))
+    return str(path)
+
+
+def _plan(tmp_path, argv, world=2):
+    args = parse_args(["--model", "tiny"] + argv)
+    return make_plan(args, world)
+
+
+def test_shipped_configs_validate(tmp_path):
+    for name in ("dense", "m90", "m95", "topk90"):
+        plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, f"{name}.json")])
+        assert plan.pp == 2 and plan.dp == 1
+        assert plan.ds_config["train_batch_size"] == plan.mb * plan.gas
+
+
+@pytest.mark.parametrize("rate", [1.0, -0.1, 1.5])
+def test_mask_rate_outside_range(tmp_path, rate):
+    with pytest.raises(ConfigError, match=r"twocircuit\.mask_rate .*\[0\.0, 1\.0\)"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, mask_rate=rate)])
+
+
+def test_more_stages_than_layers(tmp_path):
+    with pytest.raises(ConfigError, match=r"--pp 8: more pipeline stages than the model's 4 decoder"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path), "--pp", "8"], world=8)
+
+
+def test_unknown_twocircuit_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key twocircuit\.mask_rat;"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, mask_rat=0.9)])
+    with pytest.raises(ConfigError, match=r"unknown key twocircuit\.anchor\.evry"):
+        TwoCircuitConfig.from_dict({"anchor": {"evry": 3}})
+    with pytest.raises(ConfigError, match=r"twocircuit\.dp"):
+        TwoCircuitConfig.from_dict({"dp": {"backend": "allreduce", "bogus": 1}})
+
+
+def test_zero2_with_pipeline(tmp_path):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage = 2 cannot be used with pipeline"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, _top={"zero_optimization": {"stage": 2}})])
+
+
+def test_model_path_missing(tmp_path):
+    args = parse_args(["--model", str(tmp_path / "nope"), "--deepspeed", _cfg(tmp_path)])
+    with pytest.raises(ConfigError, match=r"--model .*nope.* does not exist"):
+        make_plan(args, 2)
+
+
+def test_empty_corpus(tmp_path):
+    empty = tmp_path / "corpus"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"--data .*corpus.*empty"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path), "--data", str(empty)])
+
+
+def test_seq_len_above_model_limit(tmp_path):
+    with pytest.raises(ConfigError, match=r"--seq-len 4096 is above the model's limit \(max_position_embeddings = 512\)"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path), "--seq-len", "4096"])
+
+
+def test_config_file_missing_and_invalid_json(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        _plan(tmp_path, ["--deepspeed", str(tmp_path / "missing.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(ConfigError, match=r"bad\.json.*not valid JSON"):
+        _plan(tmp_path, ["--deepspeed", str(bad)])
+
+
+def test_world_does_not_fit_mesh(tmp_path):
+    with pytest.raises(ConfigError, match=r"multiple of --pp"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path), "--pp", "2"], world=3)
+
+
+def test_run_returns_exit_code_2_with_message(tmp_path, capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    rc = run(["--model", "tiny", "--deepspeed", _cfg(tmp_path, mask_rate=1.0)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: twocircuit.mask_rate") and "Traceback" not in err
