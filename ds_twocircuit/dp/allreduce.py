@@ -1,0 +1,21 @@
+"""Plain averaging all-reduce of the gradients: the synchronous data-parallel SGD reference
+(what DeepSpeed itself does, Li et al. 2020, "PyTorch Distributed").
+
+Invariant: after ``reduce_gradients(step)`` every replica's ``p.grad`` is the mean of the replicas'
+gradients, bitwise identical on all ranks.  Gradients are coalesced into one flat buffer per dtype
+(see :class:`ds_twocircuit.dp.base.CoalescedMean`).
+"""
+from __future__ import annotations
+
+from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
+from ds_twocircuit.dp.registry import register_backend
+
+
+@register_backend("allreduce")
+class AllReduce(DPBackend):
+    config_keys = frozenset()
+
+    def reduce_gradients(self, step: int) -> None:
+        grads = self._grads()
+        check_finite(step, self.names, grads)
+        CoalescedMean(grads, self.comm).wait()

@@ -1,0 +1,247 @@
+"""Common interface of the data-parallel (DP) synchronisation backends and the pieces they share.
+
+A backend replaces DeepSpeed's own DP gradient all-reduce (switched off by the engine adapter via
+``pipeline_enable_backward_allreduce = False``).  The adapter calls, on every optimizer step::
+
+    backend.reduce_gradients(step)      # after backward, before optimizer.step()
+    optimizer.step()
+    backend.after_optimizer_step(step)  # may overwrite the live parameters (DiLoCo outer sync)
+
+``step`` is the 0-based number of the optimizer step being taken.  It is the only clock the
+backends use, so a resumed run must pass the same numbers.
+
+Invariants kept by every backend here:
+  * every collective is an all-reduce over the DP ``group`` and is counted in
+    :mod:`ds_twocircuit.wire` as kind ``"dp"`` with the bytes this rank sends in a ring all-reduce;
+  * nothing non-finite is ever reduced: one fused finiteness check per step runs before the first
+    collective and raises :class:`NonFiniteGradientError` (naming the step and the parameter), so a
+    NaN/inf never reaches the other replicas.
+
+Uses ``torch.distributed`` directly; no DeepSpeed import.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ds_twocircuit import wire
+from ds_twocircuit.dp.config import DPConfig
+
+# Cap on one coalesced all-reduce, in elements, so the flat copy stays bounded for big stages.
+BUCKET_NUMEL = 1 << 26
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient or pseudo-gradient holds NaN/inf; raised before any collective was issued."""
+
+    def __init__(self, step: int, param_name: str, what: str = "gradient"):
+        self.step, self.param_name, self.what = step, param_name, what
+        super().__init__(f"non-finite {what} at step {step} in parameter {param_name!r}; "
+                         "no collective was issued, so the other replicas are unaffected")
+
+
+def check_finite(step: int, names, tensors, what: str = "gradient") -> None:
+    """One fused check (a single host sync) over all ``tensors``; raise naming the first bad one."""
+    if not tensors:
+        return
+    dev = tensors[0].device
+    flags = torch.stack([torch.isfinite(t).all().to(dev) for t in tensors])
+    if bool(flags.all()):
+        return
+    first = int((~flags).nonzero()[0, 0])
+    raise NonFiniteGradientError(step, names[first], what)
+
+
+class Pending:
+    """Handle of one all-reduce; ``wait()`` is idempotent and books the timing on ``stats``."""
+
+    def __init__(self, stats: dict | None = None, work=None, t_launch: float = 0.0):
+        self._stats, self._work, self._t0 = stats, work, t_launch
+        self._done_at = None
+        self._fut = None
+        if work is not None:
+            self._fut = work.get_future().then(self._mark_done)
+
+    def _mark_done(self, fut):  # runs on the comm thread when the collective completes
+        self._done_at = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        t_wait = time.perf_counter()
+        self._work.wait()  # raises if the collective failed
+        self._fut.wait()   # the completion time has been recorded after this
+        t_end = time.perf_counter()
+        done = self._done_at if self._done_at is not None else t_end
+        self._stats["comm_s"] += done - self._t0
+        # Seconds of this collective that ran while the caller did something else.
+        self._stats["hidden_comm_s"] += max(0.0, min(done, t_wait) - self._t0)
+        self._work = self._fut = None
+
+
+def _empty_stats() -> dict:
+    return {"bytes_sent": 0, "collectives": 0, "comm_s": 0.0, "hidden_comm_s": 0.0}
+
+
+class Collective:
+    """Sum all-reduce over the DP group with byte accounting; a no-op when ``world_size == 1``."""
+
+    def __init__(self, group, world_size: int):
+        self.group, self.world_size = group, world_size
+        self.stats = _empty_stats()
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False) -> Pending:
+        nbytes = wire.ring_allreduce_bytes(wire.tensor_bytes(t), self.world_size)
+        wire.count("dp", nbytes, messages=1 if self.world_size > 1 else 0)
+        if self.world_size == 1:
+            return Pending()
+        self.stats["bytes_sent"] += nbytes
+        self.stats["collectives"] += 1
+        t0 = time.perf_counter()
+        if not async_op:
+            dist.all_reduce(t, group=self.group)
+            self.stats["comm_s"] += time.perf_counter() - t0
+            return Pending()
+        return Pending(self.stats, dist.all_reduce(t, group=self.group, async_op=True), t0)
+
+    def pop_stats(self) -> dict:
+        s, self.stats = self.stats, _empty_stats()
+        return s
+
+
+class CoalescedMean:
+    """Average ``tensors`` over the DP group in place: one flat all-reduce per (dtype, device)
+    bucket of at most BUCKET_NUMEL elements.  Launch in the constructor, finish in ``wait()``."""
+
+    def __init__(self, tensors, comm: Collective, async_op: bool = False, flats=None):
+        self.tensors, self.world = list(tensors), comm.world_size
+        self.buckets = self._bucketize(self.tensors)
+        if flats is not None:  # restored from state: already reduced
+            self.flats = [f.to(self.tensors[b[0]].device) for f, b in zip(flats, self.buckets)]
+            self.pendings = [Pending() for _ in self.flats]
+        else:
+            self.flats = [torch.cat([self.tensors[i].reshape(-1) for i in b]) for b in self.buckets]
+            self.pendings = [comm.all_reduce_sum(f, async_op) for f in self.flats]
+        self._copied = False
+
+    @staticmethod
+    def _bucketize(tensors):
+        by_kind: dict = {}
+        for i, t in enumerate(tensors):
+            by_kind.setdefault((t.dtype, t.device), []).append(i)
+        buckets = []
+        for idx in by_kind.values():
+            cur, n = [], 0
+            for i in idx:
+                if cur and n + tensors[i].numel() > BUCKET_NUMEL:
+                    buckets.append(cur)
+                    cur, n = [], 0
+                cur.append(i)
+                n += tensors[i].numel()
+            buckets.append(cur)
+        return buckets
+
+    def wait_reduced(self) -> list[torch.Tensor]:
+        """Wait for the collectives only; return the reduced (summed) flat buffers."""
+        for p in self.pendings:
+            p.wait()
+        return self.flats
+
+    def wait(self) -> None:
+        self.wait_reduced()
+        if self._copied:
+            return
+        for b, flat in zip(self.buckets, self.flats):
+            if self.world > 1:
+                flat.div_(self.world)
+            for i, chunk in zip(b, flat.split([self.tensors[i].numel() for i in b])):
+                self.tensors[i].copy_(chunk.view_as(self.tensors[i]))
+        self._copied = True
+
+    finish = wait  # same verb as PowerSGDRound
+
+
+class DPBackend:
+    """Base class; see the module docstring for the call protocol.
+
+    ``named_params``: the parameters this rank holds (for a pipeline stage: that stage's only),
+    in a fixed order that is the same on all DP ranks.  Parameters with ``requires_grad=False``
+    are ignored (frozen weights stay identical on all replicas).  ``group``: the DP process group
+    (``None`` means the default group, or nothing at all when ``world_size == 1``).
+    """
+
+    backend_name = "base"  # set by @register_backend
+    config_keys: frozenset = frozenset({"options"})  # twocircuit.dp keys this backend reads
+    # True when DP replicas hold different weights between syncs (each rank must checkpoint its
+    # own module weights, not only DP rank 0's).
+    replicas_may_differ = False
+
+    def __init__(self, named_params, group, world_size: int, rank: int, cfg):
+        self.cfg: DPConfig = DPConfig.coerce(cfg, backend=self.backend_name)
+        if type(world_size) is not int or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        if world_size > 1:
+            if not dist.is_initialized():
+                raise ValueError("world_size > 1 needs torch.distributed to be initialized")
+            if dist.get_world_size(group) != world_size:
+                raise ValueError(f"DP group has {dist.get_world_size(group)} ranks, "
+                                 f"world_size says {world_size}")
+        self.group, self.world_size, self.rank = group, world_size, rank
+        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.names = [n for n, _ in self.named_params]
+        self.params = [p for _, p in self.named_params]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("named_params holds duplicate names")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("named_params holds the same parameter twice")
+        self.comm = Collective(group, world_size)
+        self._step_stats: dict = {}
+
+    # --- protocol ---------------------------------------------------------------------------
+    def reduce_gradients(self, step: int) -> None:
+        raise NotImplementedError
+
+    def after_optimizer_step(self, step: int) -> bool:
+        """Returns True when the live parameters were overwritten (fp32 masters need a refresh)."""
+        return False
+
+    def flush(self) -> bool:
+        """Complete any in-flight synchronisation now (end of training).  True if params changed."""
+        return False
+
+    def state_dict(self) -> dict:
+        return {"backend": self.backend_name, "names": list(self.names)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("backend") != self.backend_name:
+            raise ValueError(f"state is for twocircuit.dp.backend {sd.get('backend')!r}, "
+                             f"this backend is {self.backend_name!r}")
+        if list(sd.get("names", [])) != self.names:
+            raise ValueError("state was saved for a different parameter list "
+                             f"({len(sd.get('names', []))} vs {len(self.names)} parameters)")
+
+    def pop_step_stats(self) -> dict:
+        """Stats since the last call: bytes_sent, collectives, comm_s, hidden_comm_s, + extras."""
+        s = self.comm.pop_stats()
+        s.update(self._step_stats)
+        self._step_stats = {}
+        return s
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        """p.grad for every parameter; a missing grad becomes zeros so all ranks reduce the same
+        layout (DeepSpeed does the same in ``_get_gradients_for_reduction``)."""
+        out = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out

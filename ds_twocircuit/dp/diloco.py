@@ -1,0 +1,264 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps, rare outer synchronisation.
+
+Papers: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(2023); Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
+Free Lunch" (2025).  Design after torchft's ``local_sgd.DiLoCo`` (backup copy, fragments).
+
+Invariant: **the backup copy is the last globally agreed weights** (per fragment, fp32, the same
+on every replica).  Each replica runs inner steps on its own gradients (``reduce_gradients`` is a
+no-op); when fragment f is due, this rank's pseudo-gradient ``delta = backup - local`` is averaged
+over the DP group (plain all-reduce, or PowerSGD-compressed with ``compression: "powersgd"``), the
+outer optimizer (SGD with momentum ``outer_momentum``, Nesterov if ``nesterov``, lr ``outer_lr``;
+the same update rule as ``torch.optim.SGD``) updates the backup, and the backup is written into the
+live parameters.  Without overlap all replicas then hold identical weights for that fragment.
+
+Schedule (``step`` = 0-based optimizer step, checked in ``after_optimizer_step(step)``): with
+H = inner_steps, F = num_fragments, offset_f = round(f*H/F) (half up), fragment f syncs after step
+``s`` iff ``s >= H-1+offset_f`` and ``(s - (H-1) - offset_f) % H == 0``.  So the first sync of
+fragment 0 is after step H-1 (H local steps), every fragment syncs exactly every H steps, and with
+1 < F <= H no two fragments (hence never the whole model) sync on the same step.  Plain DiLoCo is
+F = 1: syncs after steps H-1, 2H-1, ...
+
+Overlap (Streaming DiLoCo, ``overlap: true``): the all-reduce launched after step s runs in the
+background (``async_op=True``) and is finished after step ``s + tau`` (tau = overlap_steps), before
+that step's own launches.  The live fragment has meanwhile taken tau more local steps, so it is
+merged instead of overwritten (the paper's mixing rule):
+``local <- merge_alpha * local + (1 - merge_alpha) * backup_new``
+(merge_alpha = 0: replace by the global weights; the default 0.5 is the paper's).  The backup is
+still exactly the outer-updated global fragment.  With PowerSGD compression only the first
+all-reduce (uncompressed part and P) overlaps; the Q all-reduce runs at finish time.
+
+Checkpoints: ``state_dict()`` waits for in-flight all-reduces (no new collective is issued, so it
+is safe on any subset of ranks) and stores their reduced results; the outer step and merge still
+happen at their scheduled step after ``load_state_dict``, so a resumed run is bitwise identical to
+an uninterrupted one.  The state is per rank (local error-feedback buffers); save one per DP rank.
+No DeepSpeed import.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
+from ds_twocircuit.dp.powersgd import PowerSGDCompressor
+from ds_twocircuit.dp.registry import register_backend
+
+
+def split_fragments(numels, num_fragments: int) -> list[list[int]]:
+    """Split indices 0..n-1 into ``num_fragments`` contiguous non-empty runs balanced by numel."""
+    n = len(numels)
+    if n == 0 and num_fragments >= 1:  # a stage without trainable parameters: nothing to sync
+        return [[] for _ in range(num_fragments)]
+    if not 1 <= num_fragments <= n:
+        raise ValueError(f"twocircuit.dp.num_fragments must be in [1, {n}] (the number of "
+                         f"trainable parameters of this stage), got {num_fragments}")
+    prefix = [0]
+    for k in numels:
+        prefix.append(prefix[-1] + k)
+    cuts, prev = [], 0
+    for j in range(1, num_fragments):
+        target = j * prefix[-1] / num_fragments
+        lo, hi = prev + 1, n - (num_fragments - j)
+        prev = min(range(lo, hi + 1), key=lambda c: (abs(prefix[c] - target), c))
+        cuts.append(prev)
+    bounds = [0, *cuts, n]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+class _Sync:
+    """One in-flight fragment sync: its pseudo-gradient buffers and the reduction round."""
+
+    def __init__(self, fragment: int, launched: int, due: int, deltas, rnd):
+        self.fragment, self.launched, self.due, self.deltas, self.round = (
+            fragment, launched, due, deltas, rnd)
+
+
+@register_backend("diloco")
+class DiLoCo(DPBackend):
+    """H local steps, then an outer Nesterov step on the DP-averaged pseudo-gradient."""
+
+    config_keys = frozenset({"inner_steps", "outer_lr", "outer_momentum", "nesterov",
+                             "compression", "powersgd"})
+    replicas_may_differ = True
+
+    def __init__(self, named_params, group, world_size: int, rank: int, cfg, fragments=None):
+        super().__init__(named_params, group, world_size, rank, cfg)
+        c = self.cfg
+        self.inner_steps = c.inner_steps
+        self._setup_streaming(c)
+        if fragments is None:
+            self.fragments = split_fragments([p.numel() for p in self.params], self.num_fragments)
+        else:
+            self.fragments = self._fragments_from_names(fragments)
+        F, H = self.num_fragments, self.inner_steps
+        self.offsets = [(2 * f * H + F) // (2 * F) for f in range(F)]
+        self.backup = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.momentum = ([torch.zeros_like(b) for b in self.backup]
+                         if c.outer_momentum > 0 else None)
+        self.compressor = PowerSGDCompressor(c.powersgd) if c.compression == "powersgd" else None
+        self.pending: dict[int, _Sync] = {}
+        self.last_step = -1
+
+    def _setup_streaming(self, c) -> None:
+        self.num_fragments, self.overlap, self.overlap_steps, self.merge_alpha = 1, False, 0, 0.0
+
+    def _fragments_from_names(self, fragments) -> list[list[int]]:
+        pos = {n: i for i, n in enumerate(self.names)}
+        out = [[pos[n] for n in frag if n in pos] for frag in fragments]
+        flat = sorted(i for frag in out for i in frag)
+        if len(out) != self.num_fragments or flat != list(range(len(self.names))) or not all(out):
+            raise ValueError(f"fragments must be {self.num_fragments} non-empty lists "
+                             "(twocircuit.dp.num_fragments) that partition the trainable "
+                             "parameter names")
+        return out
+
+    # --- schedule ---------------------------------------------------------------------------
+    def sync_schedule(self, step: int) -> list[int]:
+        """Fragments whose sync is launched after optimizer step ``step``."""
+        H = self.inner_steps
+        return [f for f, o in enumerate(self.offsets)
+                if step - (H - 1) - o >= 0 and (step - (H - 1) - o) % H == 0]
+
+    # --- protocol ---------------------------------------------------------------------------
+    def reduce_gradients(self, step: int) -> None:
+        return None  # inner steps are local: p.grad is left untouched
+
+    def after_optimizer_step(self, step: int) -> bool:
+        if step <= self.last_step:
+            raise ValueError(f"after_optimizer_step({step}) after step {self.last_step}: "
+                             "steps must increase")
+        self.last_step = step
+        changed, done, launched = False, [], []
+        for f in sorted(self.pending):
+            if self.pending[f].due <= step:
+                self._finish(self.pending.pop(f))
+                changed = True
+                done.append(f)
+        for f in self.sync_schedule(step):
+            sync = self._launch(f, step)
+            launched.append(f)
+            if self.overlap:
+                self.pending[f] = sync
+            else:
+                self._finish(sync)
+                changed = True
+                done.append(f)
+        if self.compressor is not None and (launched or done):
+            self._step_stats.update(self.compressor.pop_stats())
+        self._step_stats.update(synced_fragments=launched, completed_fragments=done)
+        return changed
+
+    def flush(self) -> bool:
+        """Finish every in-flight sync now (end of training)."""
+        done = sorted(self.pending)
+        for f in done:
+            self._finish(self.pending.pop(f))
+        if done:
+            self._step_stats.setdefault("completed_fragments", []).extend(done)
+        return bool(done)
+
+    def reset_backup(self) -> None:
+        """Restart the outer optimizer from the live parameters (e.g. after loading plain model
+        weights without backend state): backup := params, momentum and PowerSGD state cleared.
+        All replicas must hold identical parameters when this is called."""
+        if self.pending:
+            raise RuntimeError("reset_backup() with syncs in flight; call flush() first")
+        for b, p in zip(self.backup, self.params):
+            b.copy_(p.detach())
+        for m in self.momentum or []:
+            m.zero_()
+        if self.compressor is not None:
+            self.compressor = PowerSGDCompressor(self.cfg.powersgd)
+
+    # --- the algorithm ----------------------------------------------------------------------
+    def _launch(self, f: int, step: int) -> _Sync:
+        idx = self.fragments[f]
+        names = [self.names[i] for i in idx]
+        deltas = [self.backup[i] - self.params[i].detach().to(torch.float32) for i in idx]
+        check_finite(step, names, deltas, what="pseudo-gradient")
+        if self.compressor is not None:
+            dense = step < self.cfg.powersgd.start_powerSGD_iter
+            rnd = self.compressor.start(deltas, names, self.comm, dense=dense,
+                                        async_op=self.overlap)
+        else:
+            rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
+        return _Sync(f, step, step + self.overlap_steps, deltas, rnd)
+
+    def _finish(self, sync: _Sync) -> None:
+        sync.round.finish()  # deltas now hold the DP-averaged pseudo-gradient
+        c, mu = self.cfg, self.cfg.outer_momentum
+        with torch.no_grad():
+            for i, g in zip(self.fragments[sync.fragment], sync.deltas):
+                b = self.backup[i]
+                if self.momentum is not None:
+                    buf = self.momentum[i].mul_(mu).add_(g)
+                    g = g.add(buf, alpha=mu) if c.nesterov else buf
+                b.sub_(g, alpha=c.outer_lr)
+                p = self.params[i]
+                if self.overlap and self.merge_alpha > 0:
+                    p.copy_(torch.lerp(b, p.to(torch.float32), self.merge_alpha))
+                else:
+                    p.copy_(b)
+
+    # --- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        pending = []
+        for f in sorted(self.pending):
+            s = self.pending[f]
+            rnd = (s.round.state() if self.compressor is not None
+                   else [t.clone() for t in s.round.wait_reduced()])
+            pending.append({"fragment": f, "launched": s.launched, "due": s.due, "round": rnd})
+        return {
+            **super().state_dict(),
+            "backup": [b.clone() for b in self.backup],
+            "momentum": None if self.momentum is None else [m.clone() for m in self.momentum],
+            "compressor": None if self.compressor is None else self.compressor.state_dict(),
+            "fragments": [[self.names[i] for i in frag] for frag in self.fragments],
+            "inner_steps": self.inner_steps, "last_step": self.last_step, "pending": pending,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        frags = [[self.names[i] for i in frag] for frag in self.fragments]
+        if sd["pending"] and (sd["fragments"] != frags or sd["inner_steps"] != self.inner_steps):
+            raise ValueError("cannot resume in-flight syncs with a different fragment split or "
+                             "twocircuit.dp.inner_steps")
+        if (sd["momentum"] is None) != (self.momentum is None):
+            raise ValueError("state and config disagree on twocircuit.dp.outer_momentum > 0")
+        if (sd["compressor"] is None) != (self.compressor is None):
+            raise ValueError("state and config disagree on twocircuit.dp.compression")
+        for b, t in zip(self.backup, sd["backup"]):
+            b.copy_(t)
+        if self.momentum is not None:
+            for m, t in zip(self.momentum, sd["momentum"]):
+                m.copy_(t)
+        if self.compressor is not None:
+            dev = self.backup[0].device if self.backup else None
+            self.compressor.load_state_dict(sd["compressor"], device=dev)
+        self.last_step = int(sd["last_step"])
+        self.pending = {}
+        for rec in sd["pending"]:
+            f = rec["fragment"]
+            deltas = [torch.zeros_like(self.backup[i]) for i in self.fragments[f]]
+            if self.compressor is not None:
+                rnd = self.compressor.restore_round(rec["round"], deltas, self.comm)
+            else:
+                rnd = CoalescedMean(deltas, self.comm, flats=rec["round"])
+            self.pending[f] = _Sync(f, rec["launched"], rec["due"], deltas, rnd)
+
+
+@register_backend("streaming_diloco")
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo over F staggered fragments, optionally overlapping each sync with tau inner steps.
+
+    ``fragments``: optional explicit split, a list of F lists of parameter names (e.g. to keep
+    tied weights of different pipeline stages in the same fragment); default: contiguous runs by
+    parameter order, balanced by numel.
+    """
+
+    config_keys = DiLoCo.config_keys | {"num_fragments", "overlap", "overlap_steps",
+                                        "merge_alpha"}
+
+    def _setup_streaming(self, c) -> None:
+        self.num_fragments, self.overlap = c.num_fragments, c.overlap
+        self.overlap_steps = c.overlap_steps if c.overlap else 0
+        self.merge_alpha = c.merge_alpha if c.overlap else 0.0

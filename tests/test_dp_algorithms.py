@@ -1,0 +1,613 @@
+"""Tests of the pure DP synchronisation algorithms (ds_twocircuit.dp).
+
+Single-process tests run in-process.  Two-replica behaviour runs on real gloo ranks: one spawned
+2-process suite (``dist_suite`` fixture, module scope) executes every scenario once and the tests
+(marked ``multiproc``) assert on its results, so the process start-up cost is paid once.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dist_helpers import run_distributed
+from ds_twocircuit import wire
+from ds_twocircuit.dp import registry
+from ds_twocircuit.dp.base import Collective, DPBackend, NonFiniteGradientError
+from ds_twocircuit.dp.config import DPConfig, PowerSGDConfig
+from ds_twocircuit.dp.diloco import StreamingDiLoCo, split_fragments
+from ds_twocircuit.dp.powersgd import PowerSGDCompressor, orthogonalize_
+from ds_twocircuit.dp.registry import build_backend, get_backend
+
+
+# --------------------------------------------------------------------------------------------
+# shared toy problem (also used inside the spawned ranks)
+
+def _toy_model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every replica
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _train(model, opt, backend, rank, steps, record=None):
+    for s in steps:
+        x, y = _batch(rank, s)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        backend.reduce_gradients(s)
+        opt.step()
+        backend.after_optimizer_step(s)
+        stats = backend.pop_step_stats()
+        if record is not None:
+            record.append((s, torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                           stats))
+
+
+def _make(cfg, rank, world, lr=0.05, momentum=0.9):
+    m = _toy_model()
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum)
+    return m, opt, build_backend(list(m.named_parameters()), None, world, rank, cfg)
+
+
+def _low_rank(n, m, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) @ torch.randn(k, m, generator=g)
+
+
+# --------------------------------------------------------------------------------------------
+# the 2-rank suite
+
+PSGD2 = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}
+RESUME_CASES = {
+    "allreduce": ({"backend": "allreduce"}, 6, 3),
+    "powersgd": ({"backend": "powersgd",
+                  "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}}, 8, 5),
+    "diloco": ({"backend": "diloco", "inner_steps": 3}, 10, 4),
+    "diloco_powersgd": ({"backend": "diloco", "inner_steps": 3, "compression": "powersgd",
+                         "powersgd": PSGD2}, 10, 4),
+    "streaming_overlap": ({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                           "overlap_steps": 1}, 12, 4),
+    "streaming_powersgd_overlap": ({"backend": "streaming_diloco", "inner_steps": 4,
+                                    "num_fragments": 2, "overlap_steps": 2,
+                                    "compression": "powersgd", "powersgd": PSGD2}, 12, 6),
+}
+
+
+def _sc_psgd_exact(rank, world):
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 4, "warm_start": False})
+    comm = Collective(None, world)
+    g = torch.Generator().manual_seed(7)
+    b = torch.randn(3, 20, generator=g)  # shared row space: the DP mean has rank 3 <= 4
+    mats = [torch.randn(24, 3, generator=torch.Generator().manual_seed(10 + r)) @ b
+            for r in range(world)]
+    t = mats[rank].clone()
+    comp.reduce_mean_([t], ["w"], comm)
+    expected = sum(mats) / world
+    return {"err": float((t - expected).abs().max()), "scale": float(expected.abs().max()),
+            "bytes": comm.pop_stats()["bytes_sent"]}
+
+
+def _sc_psgd_bytes(rank, world):
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 4})
+    comm = Collective(None, world)
+    out = {}
+    before = wire.totals()["dp"]
+    comp.reduce_mean_([torch.randn(64, 48)], ["mat"], comm)
+    out["matrix"] = comm.pop_stats()["bytes_sent"]
+    out["matrix_wire"] = wire.totals()["dp"] - before
+    comp.reduce_mean_([torch.randn(48), torch.randn(4, 4), torch.randn(3, 5, dtype=torch.float64)],
+                      ["vec", "small", "small64"], comm)
+    out["small"] = comm.pop_stats()
+    comp.reduce_mean_([torch.randn(64, 48)], ["mat"], comm, dense=True)
+    out["dense"] = comm.pop_stats()["bytes_sent"]
+    m, opt, b = _make({"backend": "powersgd", "powersgd": PSGD2}, rank, world)
+    before = wire.totals()["dp"]
+    rec = []
+    _train(m, opt, b, rank, range(1), rec)
+    out["backend_stats"], out["backend_wire"] = rec[0][2], wire.totals()["dp"] - before
+    out["grads"] = [p.grad.clone() for p in m.parameters()]
+    return out
+
+
+def _sc_diloco_h1(rank, world):
+    cfg = {"backend": "diloco", "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
+           "nesterov": False}
+    ref, opt, b = _make({"backend": "allreduce"}, rank, world, lr=0.1, momentum=0.0)
+    _train(ref, opt, b, rank, range(6))
+    dil, opt, b = _make(cfg, rank, world, lr=0.1, momentum=0.0)
+    _train(dil, opt, b, rank, range(6))
+    return {"diff": max(float((p - q).abs().max())
+                        for p, q in zip(ref.parameters(), dil.parameters())),
+            "moved": max(float((p - q).abs().max())
+                         for p, q in zip(ref.parameters(), _toy_model().parameters()))}
+
+
+def _sc_diloco_drift(rank, world):
+    m, opt, b = _make({"backend": "diloco", "inner_steps": 3}, rank, world)
+    rec = []
+    _train(m, opt, b, rank, range(9), rec)
+    return {"params": [r[1] for r in rec], "stats": [r[2] for r in rec],
+            "backup": [t.clone() for t in b.backup], "momentum": [t.clone() for t in b.momentum]}
+
+
+def _sc_streaming(rank, world):
+    out = {}
+    m, opt, b = _make({"backend": "streaming_diloco", "inner_steps": 6, "num_fragments": 3,
+                       "overlap": False}, rank, world)
+    stats, snaps = [], []
+    for s in range(20):
+        rec = []
+        _train(m, opt, b, rank, range(s, s + 1), rec)
+        stats.append(rec[0][2])
+        snaps.append([p.detach().clone() for p in m.parameters()])
+    out["plain"] = {"stats": stats, "fragments": b.fragments, "params": snaps}
+    m, opt, b = _make({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                       "overlap_steps": 1}, rank, world)
+    rec = []
+    _train(m, opt, b, rank, range(12), rec)
+    out["overlap"] = {"stats": [r[2] for r in rec], "backup": [t.clone() for t in b.backup],
+                      "params": [p.detach().clone() for p in m.parameters()]}
+    return out
+
+
+def _sc_resume(rank, world):
+    out = {}
+    for name, (cfg, n, k) in RESUME_CASES.items():
+        m, opt, b = _make(cfg, rank, world)
+        _train(m, opt, b, rank, range(n))
+        full = [p.detach().clone() for p in m.parameters()]
+        m, opt, b = _make(cfg, rank, world)
+        _train(m, opt, b, rank, range(k))
+        buf = io.BytesIO()
+        torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "dp": b.state_dict()}, buf)
+        pending = len(getattr(b, "pending", {}))
+        del m, opt, b
+        buf.seek(0)
+        st = torch.load(buf, weights_only=False)
+        m, opt, b = _make(cfg, rank, world)
+        m.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        b.load_state_dict(st["dp"])
+        _train(m, opt, b, rank, range(k, n))
+        out[name] = {"equal": all(torch.equal(a, p) for a, p in zip(full, m.parameters())),
+                     "pending_at_save": pending}
+    return out
+
+
+SCENARIOS = {"psgd_exact": _sc_psgd_exact, "psgd_bytes": _sc_psgd_bytes,
+             "diloco_h1": _sc_diloco_h1, "diloco_drift": _sc_diloco_drift,
+             "streaming": _sc_streaming, "resume": _sc_resume}
+
+
+def _suite_worker(rank, world):
+    import traceback
+    results = {}
+    for name, fn in SCENARIOS.items():
+        try:
+            results[name] = fn(rank, world)
+        except Exception:  # stop: later collectives could mismatch across ranks
+            results["_error"] = (name, traceback.format_exc())
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def dist_suite(tmp_path_factory):
+    return run_distributed(_suite_worker, 2, tmp_path_factory.mktemp("dp_suite"), timeout=150)
+
+
+def _get(suite, name):
+    for r, res in enumerate(suite):
+        if name not in res:
+            err = res.get("_error", ("?", "no error recorded"))
+            pytest.fail(f"scenario {name} did not run on rank {r}; {err[0]} failed:\n{err[1]}")
+    return [res[name] for res in suite]
+
+
+# --------------------------------------------------------------------------------------------
+# PowerSGD
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_powersgd_reconstructs_low_rank_world1(k):
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 4})
+    mats = [_low_rank(32, 20, k, seed=k), _low_rank(12, 5 * 6, k, seed=k + 1).reshape(12, 5, 6)]
+    outs = [t.clone() for t in mats]
+    comp.reduce_mean_(outs, ["a", "conv"], Collective(None, 1))
+    for t, o in zip(mats, outs):
+        assert o.shape == t.shape
+        assert torch.allclose(o, t, atol=1e-4 * float(t.abs().max()), rtol=0)
+
+
+def test_powersgd_full_rank_is_lossy_world1():
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 2})
+    t = torch.randn(32, 20)
+    out = t.clone()
+    comp.reduce_mean_([out], ["a"], Collective(None, 1))
+    assert float((out - t).norm()) > 0.1 * float(t.norm())  # it really compressed
+    assert torch.allclose(comp.error["a"], t - out, atol=1e-5)  # and remembered the rest
+
+
+@pytest.mark.multiproc
+def test_powersgd_reconstructs_low_rank_world2(dist_suite):
+    r0, r1 = _get(dist_suite, "psgd_exact")
+    for r in (r0, r1):
+        assert r["err"] <= 1e-4 * r["scale"]
+        assert r["bytes"] == wire.ring_allreduce_bytes(4 * 4 * (24 + 20), 2)
+
+
+def _ef_run(use_ef, steps=100):
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 2, "use_error_feedback": use_ef})
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(24, 16, generator=g)  # full rank: rank-2 drops a fixed part every step
+    sum_true, sum_dec, gaps = torch.zeros(24, 16), torch.zeros(24, 16), []
+    for _ in range(steps):
+        grad = mean + 0.1 * torch.randn(24, 16, generator=g)
+        out = grad.clone()
+        comp.reduce_mean_([out], ["w"], Collective(None, 1))
+        sum_true += grad
+        sum_dec += out
+        gaps.append(float((sum_true - sum_dec).norm()))
+    return comp, sum_true - sum_dec, gaps, float(mean.norm())
+
+
+def test_error_feedback_tracks_running_sum():
+    comp, gap, gaps, scale = _ef_run(True)
+    assert torch.allclose(gap, comp.error["w"], atol=1e-3)  # gap == error buffer
+    # bounded: plateaus (at ~5x the per-step gradient norm here) instead of growing
+    assert max(gaps) < 8 * scale
+    assert max(gaps[50:]) < 1.3 * max(gaps[:50])
+    _, _, gaps_no_ef, _ = _ef_run(False)
+    assert gaps_no_ef[-1] > 3.5 * gaps_no_ef[24]            # grows linearly (100 vs 25 steps)
+    assert gaps_no_ef[-1] > 10 * max(gaps)
+
+
+def test_min_compression_rate_selection():
+    comp = PowerSGDCompressor({"matrix_approximation_rank": 4, "min_compression_rate": 2.0})
+    assert comp.rank_for((100,)) == 0             # 1-D
+    assert comp.rank_for(()) == 0                 # scalar
+    assert comp.rank_for((4, 4)) == 0             # 16 / (4*8) < 2
+    assert comp.rank_for((16, 16)) == 4           # 256 / 128 = 2
+    assert comp.rank_for((15, 16)) == 0           # 240 / 124 < 2
+    assert comp.rank_for((8, 3, 3, 3)) == 0       # 8x27: 216 / 140 < 2
+    assert comp.rank_for((64, 3, 3, 3)) == 4      # 64x27: 1728 / 364
+    assert PowerSGDCompressor({"matrix_approximation_rank": 2,
+                               "min_compression_rate": 0.0}).rank_for((1, 1)) == 1
+
+
+@pytest.mark.multiproc
+def test_powersgd_byte_counts(dist_suite):
+    for r in _get(dist_suite, "psgd_bytes"):
+        n, m, rank = 64, 48, 4
+        assert r["matrix"] == wire.ring_allreduce_bytes(4 * rank * (n + m), 2)
+        assert r["matrix_wire"] == r["matrix"]
+        # 1-D and too-small tensors go dense, coalesced per dtype (fp32 bucket + fp64 bucket)
+        assert r["small"]["bytes_sent"] == (wire.ring_allreduce_bytes(4 * (48 + 16), 2)
+                                            + wire.ring_allreduce_bytes(8 * 15, 2))
+        assert r["small"]["collectives"] == 2
+        assert r["dense"] == wire.ring_allreduce_bytes(4 * n * m, 2)
+        st = r["backend_stats"]
+        # toy model: 16x8 weight compressed at rank 2; 4x16 weight and biases dense
+        assert st["bytes_sent"] == r["backend_wire"] == (
+            wire.ring_allreduce_bytes(4 * (16 + 64 + 4), 2)
+            + wire.ring_allreduce_bytes(4 * 2 * (16 + 8), 2))
+        assert st["numel_sent"] == 16 + 64 + 4 + 2 * 24 and st["numel_dense"] == 212
+    g0, g1 = (r["grads"] for r in _get(dist_suite, "psgd_bytes"))
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))  # identical update on both ranks
+
+
+def test_world1_counts_zero_bytes():
+    before = wire.totals()["dp"]
+    m, opt, b = _make({"backend": "powersgd", "powersgd": PSGD2}, 0, 1)
+    _train(m, opt, b, 0, range(2))
+    assert wire.totals()["dp"] == before
+    assert b.pop_step_stats()["bytes_sent"] == 0
+
+
+def test_orthogonalize_qr_and_gram_schmidt():
+    for eps in (0.0, 1e-8):
+        m = torch.randn(20, 5)
+        orthogonalize_(m, eps)
+        assert torch.allclose(m.T @ m, torch.eye(5), atol=1e-4)
+    z = torch.zeros(10, 3)  # rank-deficient input: must not produce NaN
+    assert torch.isfinite(orthogonalize_(z.clone(), 0.0)).all()
+    assert torch.isfinite(orthogonalize_(z.clone(), 1e-8)).all()
+
+
+def test_powersgd_warmup_is_exact_dense():
+    m, opt, b = _make({"backend": "powersgd", "powersgd": {"start_powerSGD_iter": 1}}, 0, 1)
+    x, y = _batch(0, 0)
+    F.mse_loss(m(x), y).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    b.reduce_gradients(0)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, m.parameters()))
+    assert b.pop_step_stats()["dense"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# DiLoCo / Streaming DiLoCo
+
+@pytest.mark.multiproc
+def test_diloco_h1_equals_synchronous_dp(dist_suite):
+    for r in _get(dist_suite, "diloco_h1"):
+        assert r["moved"] > 1e-3   # training did something
+        assert r["diff"] <= 1e-6
+
+
+@pytest.mark.multiproc
+def test_diloco_replicas_identical_after_sync_and_drift_between(dist_suite):
+    r0, r1 = _get(dist_suite, "diloco_drift")
+    for s, (a, b) in enumerate(zip(r0["params"], r1["params"])):
+        if s % 3 == 2:
+            assert torch.equal(a, b), f"replicas differ right after the sync at step {s}"
+            assert r0["stats"][s]["synced_fragments"] == [0]
+            assert r0["stats"][s]["bytes_sent"] == wire.ring_allreduce_bytes(4 * a.numel(), 2)
+        else:
+            assert not torch.equal(a, b), f"replicas did not drift at step {s}"
+            assert r0["stats"][s]["bytes_sent"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(r0["backup"], r1["backup"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["momentum"], r1["momentum"]))
+
+
+@pytest.mark.parametrize("H,F_", [(10, 4), (6, 3), (4, 4), (5, 1), (7, 2)])
+def test_streaming_schedule_every_h_steps(H, F_):
+    named = [(f"p{i}", nn.Parameter(torch.zeros(i + 1))) for i in range(6)]
+    b = StreamingDiLoCo(named, None, 1, 0, {"inner_steps": H, "num_fragments": F_,
+                                            "overlap": False})
+    steps = 6 * H
+    syncs = {f: [s for s in range(steps) if f in b.sync_schedule(s)] for f in range(F_)}
+    for f, ss in syncs.items():
+        assert ss[0] >= H - 1                      # at least H local steps before the first
+        assert all(b2 - a == H for a, b2 in zip(ss, ss[1:]))
+        assert len(ss) >= 5
+    assert min(ss[0] for ss in syncs.values()) == H - 1
+    if F_ > 1:
+        assert all(len(b.sync_schedule(s)) <= 1 for s in range(steps))
+
+
+@pytest.mark.multiproc
+def test_streaming_fragment_syncs_two_ranks(dist_suite):
+    r0, r1 = _get(dist_suite, "streaming")
+    plain0, plain1 = r0["plain"], r1["plain"]
+    frags = plain0["fragments"]
+    assert len(frags) == 3 and sorted(i for f in frags for i in f) == list(range(4))
+    launched = {f: [s for s, st in enumerate(plain0["stats"]) if f in st["synced_fragments"]]
+                for f in range(3)}
+    assert launched == {0: [5, 11, 17], 1: [7, 13, 19], 2: [9, 15]}
+    for s, (a, b) in enumerate(zip(plain0["params"], plain1["params"])):
+        synced = plain0["stats"][s]["synced_fragments"]
+        for f in synced:  # the synced fragment is identical on both ranks ...
+            assert all(torch.equal(a[i], b[i]) for i in frags[f])
+        if s >= 1:  # ... but never the whole model
+            assert not all(torch.equal(x, y) for x, y in zip(a, b))
+    ov0, ov1 = r0["overlap"], r1["overlap"]
+    launched = [st["synced_fragments"] for st in ov0["stats"]]
+    completed = [st["completed_fragments"] for st in ov0["stats"]]
+    assert [s for s, x in enumerate(launched) if x] == [3, 5, 7, 9, 11]
+    assert [s for s, x in enumerate(completed) if x] == [4, 6, 8, 10]  # tau = 1 step later
+    assert all(torch.equal(a, b) for a, b in zip(ov0["backup"], ov1["backup"]))
+    assert not all(torch.equal(a, b) for a, b in zip(ov0["params"], ov1["params"]))  # merged
+    comm = sum(st["comm_s"] for st in ov0["stats"])
+    hidden = sum(st["hidden_comm_s"] for st in ov0["stats"])
+    assert 0 < hidden <= comm + 1e-9
+
+
+def test_split_fragments_balanced_contiguous():
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1, 100], 2) in ([[0, 1, 2], [3, 4]], [[0, 1], [2, 3, 4]])
+    assert split_fragments([1, 1, 1], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="twocircuit.dp.num_fragments"):
+        split_fragments([1, 1], 3)
+
+
+def test_stage_without_trainable_params():
+    frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+    for cfg in ({"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2,
+                 "overlap": False}, {"backend": "diloco", "inner_steps": 2},
+                {"backend": "powersgd"}, {"backend": "allreduce"}):
+        b = build_backend([("frozen", frozen)], None, 1, 0, cfg)
+        for s in range(4):
+            b.reduce_gradients(s)
+            b.after_optimizer_step(s)
+        b.load_state_dict(b.state_dict())
+        assert torch.equal(frozen, torch.ones(3)) and b.names == []
+
+
+def test_diloco_reset_backup():
+    p = nn.Parameter(torch.zeros(4))
+    b = get_backend("diloco")([("p", p)], None, 1, 0, {"inner_steps": 2})
+    with torch.no_grad():
+        p.add_(1.0)
+    b.after_optimizer_step(0)
+    b.after_optimizer_step(1)  # outer step: p moves 0.7 + nesterov 0.63 of the way
+    assert torch.allclose(p, torch.full((4,), 0.7 * 1.9)) and b.momentum[0].abs().sum() > 0
+    with torch.no_grad():
+        p.fill_(5.0)
+    b.reset_backup()
+    assert torch.equal(b.backup[0], p.detach()) and b.momentum[0].abs().sum() == 0
+
+
+def test_streaming_explicit_fragments():
+    named = [(f"p{i}", nn.Parameter(torch.zeros(2))) for i in range(4)]
+    cfg = {"inner_steps": 4, "num_fragments": 2, "overlap": False}
+    b = StreamingDiLoCo(named, None, 1, 0, cfg, fragments=[["p0", "p3"], ["p1", "p2"]])
+    assert b.fragments == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match="num_fragments"):
+        StreamingDiLoCo(named, None, 1, 0, cfg, fragments=[["p0", "p3"], ["p1"]])
+
+
+def test_diloco_outer_nesterov_matches_torch_sgd():
+    p = nn.Parameter(torch.zeros(5))
+    b = get_backend("diloco")([("p", p)], None, 1, 0, {"inner_steps": 2})
+    ref = nn.Parameter(torch.zeros(5))
+    outer = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    g = torch.Generator().manual_seed(0)
+    for s in range(8):
+        with torch.no_grad():
+            p.add_(torch.randn(5, generator=g))  # a local inner step
+        if s % 2 == 1:
+            ref.grad = (ref - p).detach().clone()
+            outer.step()
+        b.after_optimizer_step(s)
+        if s % 2 == 1:
+            assert torch.allclose(p, ref, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_resume_is_bitwise_identical(dist_suite):
+    res = _get(dist_suite, "resume")
+    for name in RESUME_CASES:
+        for r in res:
+            assert r[name]["equal"], f"{name}: resumed run diverged from the uninterrupted one"
+    assert res[0]["streaming_overlap"]["pending_at_save"] == 1
+    assert res[0]["streaming_powersgd_overlap"]["pending_at_save"] == 1
+
+
+def test_state_dict_contains_everything():
+    m, opt, b = _make({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                       "compression": "powersgd", "powersgd": PSGD2}, 0, 1)
+    _train(m, opt, b, 0, range(6))  # fragment 0 synced (3 -> 4), fragment 1 in flight (5 -> 6)
+    sd = b.state_dict()
+    assert {"backup", "momentum", "compressor", "fragments", "last_step", "pending"} <= set(sd)
+    assert sd["last_step"] == 5 and [p["fragment"] for p in sd["pending"]] == [1]
+    assert set(sd["compressor"]["error"]) and set(sd["compressor"]["q"])
+    with pytest.raises(ValueError, match="backend"):
+        get_backend("diloco")(list(m.named_parameters()), None, 1, 0, {}).load_state_dict(sd)
+
+
+# --------------------------------------------------------------------------------------------
+# NaN/inf guard
+
+@pytest.fixture
+def fake_dp_world(monkeypatch):
+    """world_size 2 without a real group: any collective would be recorded here."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))
+    return calls
+
+
+@pytest.mark.parametrize("cfg", [{"backend": "allreduce"},
+                                 {"backend": "powersgd", "powersgd": {"start_powerSGD_iter": 0}},
+                                 {"backend": "powersgd"}])
+def test_nan_guard_gradients(fake_dp_world, cfg):
+    m = _toy_model()
+    b = build_backend(list(m.named_parameters()), None, 2, 0, cfg)
+    x, y = _batch(0, 0)
+    F.mse_loss(m(x), y).backward()
+    m[2].weight.grad[1, 3] = float("nan")
+    before = wire.totals()["dp"]
+    with pytest.raises(NonFiniteGradientError, match=r"step 7 .*'2\.weight'") as ei:
+        b.reduce_gradients(7)
+    assert ei.value.step == 7 and ei.value.param_name == "2.weight"
+    assert fake_dp_world == [] and wire.totals()["dp"] == before
+
+
+@pytest.mark.parametrize("backend", ["diloco", "streaming_diloco"])
+def test_nan_guard_pseudo_gradients(fake_dp_world, backend):
+    m = _toy_model()
+    cfg = {"backend": backend, "inner_steps": 2}
+    if backend == "streaming_diloco":
+        cfg.update(num_fragments=1, overlap=False)
+    b = build_backend(list(m.named_parameters()), None, 2, 0, cfg)
+    with torch.no_grad():
+        m[0].bias[2] = float("inf")
+    b.after_optimizer_step(0)  # not due
+    with pytest.raises(NonFiniteGradientError, match=r"pseudo-gradient at step 1 .*'0\.bias'"):
+        b.after_optimizer_step(1)
+    assert fake_dp_world == []
+
+
+# --------------------------------------------------------------------------------------------
+# config and registry
+
+def test_config_defaults():
+    c = DPConfig.from_dict({})
+    assert c.backend == "allreduce" and c.inner_steps == 10 and c.outer_lr == 0.7
+    assert c.outer_momentum == 0.9 and c.nesterov and c.num_fragments == 4 and c.overlap
+    assert c.overlap_steps == 1 and c.merge_alpha == 0.5 and c.compression is None
+    assert c.powersgd == PowerSGDConfig(64, 10, 2.0, True, True, 0.0, 0)
+
+
+@pytest.mark.parametrize("d,key", [
+    ({"bogus": 1}, "twocircuit.dp.bogus"),
+    ({"backend": "powersgd", "powersgd": {"rank": 4}}, "twocircuit.dp.powersgd.rank"),
+    ({"backend": "diloco", "inner_steps": 0}, "twocircuit.dp.inner_steps"),
+    ({"backend": "diloco", "inner_steps": True}, "twocircuit.dp.inner_steps"),
+    ({"backend": "diloco", "outer_momentum": 1.0}, "twocircuit.dp.outer_momentum"),
+    ({"backend": "diloco", "outer_lr": "0.7"}, "twocircuit.dp.outer_lr"),
+    ({"backend": "powersgd", "powersgd": {"matrix_approximation_rank": 0}},
+     "twocircuit.dp.powersgd.matrix_approximation_rank"),
+    ({"backend": "allreduce", "inner_steps": 5}, "twocircuit.dp.inner_steps"),
+    ({"backend": "diloco", "num_fragments": 2}, "twocircuit.dp.num_fragments"),
+    ({"backend": "diloco", "powersgd": {}}, "twocircuit.dp.powersgd"),
+    ({"backend": "diloco", "compression": "topk"}, "twocircuit.dp.compression"),
+    ({"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 3},
+     "twocircuit.dp.num_fragments"),
+    ({"backend": "streaming_diloco", "overlap": False, "merge_alpha": 0.3},
+     "twocircuit.dp.merge_alpha"),
+    ({"backend": "streaming_diloco", "inner_steps": 4, "overlap_steps": 4},
+     "twocircuit.dp.overlap_steps"),
+    ({"backend": "streaming_diloco", "merge_alpha": 1.5}, "twocircuit.dp.merge_alpha"),
+    ({"backend": "nope"}, "twocircuit.dp.backend"),
+])
+def test_config_refuses_bad_keys(d, key):
+    with pytest.raises(ValueError) as ei:
+        DPConfig.from_dict(d)
+    assert key in str(ei.value)
+
+
+def test_config_unknown_key_lists_allowed_and_custom_prefix():
+    with pytest.raises(ValueError, match="allowed keys under x.y: .*inner_steps"):
+        DPConfig.from_dict({"sync_every": 3}, prefix="x.y")
+
+
+def test_backend_refuses_other_backend_config():
+    m = _toy_model()
+    with pytest.raises(ValueError, match="twocircuit.dp.backend"):
+        get_backend("diloco")(list(m.named_parameters()), None, 1, 0, {"backend": "powersgd"})
+
+
+def test_registry_builtins_unknown_and_third_party():
+    assert registry.available_backends()[:4] == ("allreduce", "powersgd", "diloco",
+                                                 "streaming_diloco")
+    assert [get_backend(n).replicas_may_differ for n in registry.BUILTIN_BACKENDS] == [
+        False, False, True, True]
+    with pytest.raises(ValueError, match="twocircuit.dp.backend.*allreduce, powersgd"):
+        get_backend("nope")
+
+    @registry.register_backend("test_halving")
+    class Halving(DPBackend):
+        config_keys = frozenset({"options"})
+
+        def reduce_gradients(self, step):
+            for g in self._grads():
+                g.mul_(self.cfg.options.get("factor", 0.5))
+
+    try:
+        assert "test_halving" in registry.available_backends()
+        p = nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        b = build_backend([("p", p)], None, 1, 0, {"backend": "test_halving",
+                                                   "options": {"factor": 0.25}})
+        b.reduce_gradients(0)
+        assert torch.equal(p.grad, torch.full((3,), 0.25))
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_backend("test_halving")(type("Other", (DPBackend,), {}))
+    finally:
+        registry._REGISTRY.pop("test_halving", None)
+
+
+def test_powersgd_config_is_checked_in_compressor():
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        PowerSGDCompressor({"matrix_approximation_rank": -1})
+    assert math.isclose(PowerSGDCompressor().cfg.min_compression_rate, 2.0)
