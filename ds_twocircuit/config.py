@@ -112,7 +112,7 @@ class TwoCircuitConfig:
     ramp_steps: int = 0             # linear ramp of p from 0 over this many steps
     wire_dtype: str = "auto"        # auto (activation dtype) | fp32 | bf16 | fp16
     mask_seed: int | None = None    # run seed of the PRF (None: the --seed flag)
-    partition: str = "type"         # type (balanced decoder layers) | uniform
+    partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
     dp: dict = field(default_factory=dict)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
@@ -123,7 +123,7 @@ class TwoCircuitConfig:
         _range(self.warmup_steps, 0, 1 << 30, f"{p}.warmup_steps")
         _range(self.ramp_steps, 0, 1 << 30, f"{p}.ramp_steps")
         _choice(self.wire_dtype, ("auto", "fp32", "bf16", "fp16"), f"{p}.wire_dtype")
-        _choice(self.partition, ("type", "uniform"), f"{p}.partition")
+        _choice(self.partition, ("balanced", "type", "uniform"), f"{p}.partition")
         _choice(self.tied_embeddings, ("untie", "sync", "freeze"), f"{p}.tied_embeddings")
         if self.mode == "topk" and self.mask_rate == 0.0:
             raise ConfigError(f"{p}.mask_rate must be > 0 with {p}.mode = 'topk'")

@@ -15,7 +15,7 @@ import torch
 
 from . import masks
 from .codec import WIRE_DTYPES
-from .models.layers import boundary_layers, causal_lm_loss, layer_module_name, partition_parts
+from .models.layers import boundary_layers, causal_lm_loss, layer_module_name, model_parts
 
 
 class _WireCast(torch.autograd.Function):
@@ -42,11 +42,11 @@ class BoundaryMasker:
     (``micro_batch`` is the global micro-batch index, as in the engine)."""
 
     def __init__(self, model, num_stages: int, mode: str = "random", mask_rate: float = 0.95,
-                 seed: int = 0, partition: str = "type", warmup_steps: int = 0, ramp_steps: int = 0,
-                 rescale: bool = False, wire_dtype: str = "auto"):
+                 seed: int = 0, partition: str = "balanced", warmup_steps: int = 0, ramp_steps: int = 0,
+                 rescale: bool = False, wire_dtype: str = "auto", parts: list[int] | None = None):
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
-        self.parts = partition_parts(self.num_layers, num_stages, partition)
+        self.parts = list(parts) if parts is not None else model_parts(model, num_stages, partition)
         self.mode, self.seed, self.rescale = mode, int(seed), rescale
         self.schedule = masks.MaskSchedule(0.0 if mode == "dense" else mask_rate, warmup_steps, ramp_steps)
         self.wire_dtype = None if wire_dtype in (None, "auto") else WIRE_DTYPES[wire_dtype]

@@ -103,7 +103,7 @@ def _batch_setting(ds: dict, key: str, flag_value, default: int, path: str) -> i
 
 def make_plan(args, world_size: int) -> Plan:
     from .data import load_documents, split_documents
-    from .models.layers import ModelSpec, partition_parts
+    from .models.layers import ModelSpec
     from .models.presets import resolve_model
 
     plan = Plan()
@@ -134,7 +134,7 @@ def make_plan(args, world_size: int) -> Plan:
     plan.model_folder = resolve_model(args.model)
     spec = ModelSpec(plan.model_folder)
     plan.spec = spec
-    partition_parts(spec.num_layers, pp, tc.partition)  # raises on more stages than layers
+    plan.parts = spec.parts(pp, tc.partition)  # raises on more stages than layers
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
     if spec.max_positions and args.seq_len > spec.max_positions:

@@ -47,6 +47,9 @@ class ModelSpec:
         mod = copy.deepcopy(self.meta_model.get_submodule(name))
         return mod.to_empty(device="cpu")
 
+    def parts(self, num_stages: int, method: str) -> list[int]:
+        return model_parts(self.meta_model, num_stages, method)
+
     def rotary(self) -> nn.Module:
         cls = type(self.meta_model.model.rotary_emb)
         return cls(config=self.config)
@@ -124,12 +127,21 @@ def pipeline_layer_count(num_decoders: int) -> int:
     return num_decoders + 3
 
 
-def partition_parts(num_decoders: int, num_stages: int, method: str = "type") -> list[int]:
+def compute_weights(num_decoders: int, head_cost: float = 0.0, embed_cost: float = 0.0) -> list[float]:
+    """Relative cost of each pipeline layer: a decoder layer is 1."""
+    return [embed_cost] + [1.0] * num_decoders + [0.0, head_cost]
+
+
+def partition_parts(num_decoders: int, num_stages: int, method: str = "balanced",
+                    head_cost: float = 0.0, embed_cost: float = 0.0) -> list[int]:
     """Stage boundaries over pipeline layer indices ``[embed, dec 0..N-1, norm, head]``.
 
-    ``type``: decoders balanced over stages (stage s gets ``[sN/P, (s+1)N/P)``), the embedding
-    on the first stage, norm and head on the last. ``uniform``: all N+3 layers spread evenly.
-    Returns ``parts`` with ``parts[s]:parts[s+1]`` the layers of stage s (DeepSpeed's format)."""
+    ``balanced`` (default): contiguous stages minimising the most expensive stage, with the LM
+    head priced at ``head_cost`` decoder layers (for a 49k vocabulary and a 576-wide model it
+    costs about 8 decoder layers, so the last stage gets fewer decoders). ``type``: decoders
+    spread evenly, embedding on the first stage, norm and head on the last. ``uniform``: all
+    N+3 layers spread evenly. Every stage holds at least one decoder layer, so every boundary
+    carries a decoder's hidden state. Returns DeepSpeed's ``parts`` list."""
     if num_stages < 1:
         raise ConfigError(f"--pp must be >= 1, got {num_stages}")
     if num_stages > num_decoders:
@@ -139,8 +151,51 @@ def partition_parts(num_decoders: int, num_stages: int, method: str = "type") ->
     if method == "type":
         return [0] + [1 + (s * num_decoders) // num_stages for s in range(1, num_stages)] + [total]
     if method == "uniform":
-        return [(s * total) // num_stages for s in range(num_stages)] + [total]
-    raise ConfigError(f"twocircuit.partition = {method!r}; allowed: type, uniform")
+        cuts = [(s * total) // num_stages for s in range(num_stages)] + [total]
+        # keep one decoder per stage: cuts strictly inside [2, N]
+        for s in range(1, num_stages):
+            cuts[s] = min(max(cuts[s], 1 + s), num_decoders - num_stages + 1 + s)
+        return cuts
+    if method == "balanced":
+        w = compute_weights(num_decoders, head_cost, embed_cost)
+        prefix = [0.0]
+        for x in w:
+            prefix.append(prefix[-1] + x)
+        cost = lambda a, b: prefix[b] - prefix[a]  # noqa: E731
+        INF = float("inf")
+        # best[k][c]: minimal max-stage-cost of layers [0, c) split into k stages, last cut at c
+        best = [[INF] * (total + 1) for _ in range(num_stages + 1)]
+        arg = [[0] * (total + 1) for _ in range(num_stages + 1)]
+        for c in range(2, num_decoders + 1):
+            best[1][c] = cost(0, c)
+        for k in range(2, num_stages):
+            for c in range(k + 1, num_decoders + 1):
+                for b in range(k, c):
+                    v = max(best[k - 1][b], cost(b, c))
+                    if v < best[k][c] - 1e-12:
+                        best[k][c], arg[k][c] = v, b
+        if num_stages == 1:
+            return [0, total]
+        final, last = INF, 0
+        for b in range(num_stages, num_decoders + 1):
+            v = max(best[num_stages - 1][b], cost(b, total))
+            if v < final - 1e-12:
+                final, last = v, b
+        cuts = [last]
+        for k in range(num_stages - 1, 1, -1):
+            cuts.append(arg[k][cuts[-1]])
+        return [0] + cuts[::-1] + [total]
+    raise ConfigError(f"twocircuit.partition = {method!r}; allowed: balanced, type, uniform")
+
+
+def model_parts(hf_model, num_stages: int, method: str) -> list[int]:
+    """:func:`partition_parts` for a HF causal LM, pricing the head and embedding by parameter
+    count (matmul FLOPs scale with it; the embedding only pays its optimizer update)."""
+    cfg = hf_model.config
+    dec = sum(p.numel() for p in hf_model.model.layers[0].parameters())
+    head = cfg.vocab_size * cfg.hidden_size / dec
+    costs = (head, 0.1 * head) if method == "balanced" else (0.0, 0.0)
+    return partition_parts(int(cfg.num_hidden_layers), num_stages, method, *costs)
 
 
 def boundary_layers(parts: list[int]) -> list[int]:

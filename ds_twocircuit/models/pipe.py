@@ -10,20 +10,20 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .layers import (DecoderPipe, EmbedPipe, HeadPipe, ModelSpec, NormPipe, PIPE_LAYER_TYPES,
-                     WeightReader, causal_lm_loss, hf_state_of, load_layer_weights, partition_parts,
+                     WeightReader, causal_lm_loss, hf_state_of, load_layer_weights,
                      tied_head_forward)
 
 
 class TwoCircuitPipe(PipelineModule):
     """PipelineModule whose stage boundaries come from :func:`partition_parts`."""
 
-    def __init__(self, layers, num_decoders: int, partition: str, **kw):
-        self._tc_num_decoders = num_decoders
+    def __init__(self, layers, spec: ModelSpec, partition: str, **kw):
+        self._tc_spec = spec
         self._tc_partition = partition
         super().__init__(layers, **kw)
 
     def _partition_layers(self, method="uniform"):
-        self.parts = partition_parts(self._tc_num_decoders, self.num_stages, self._tc_partition)
+        self.parts = self._tc_spec.parts(self.num_stages, self._tc_partition)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
@@ -45,10 +45,9 @@ def layer_specs(spec: ModelSpec, tied_mode: str) -> list:
     return specs
 
 
-def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "type",
+def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "balanced",
                    tied_mode: str = "untie", dtype=torch.float32) -> TwoCircuitPipe:
-    module = TwoCircuitPipe(layer_specs(spec, tied_mode), num_decoders=spec.num_layers,
-                            partition=partition, num_stages=num_stages, loss_fn=causal_lm_loss,
+    module = TwoCircuitPipe(layer_specs(spec, tied_mode), spec=spec, partition=partition, num_stages=num_stages, loss_fn=causal_lm_loss,
                             partition_method="type:DecoderPipe", activation_checkpoint_interval=0)
     reader = WeightReader(spec.folder)
     for m in module.modules():
