@@ -27,9 +27,7 @@ def _rank_file(ckpt_dir: str, tag: str, stage: int, dp_rank: int) -> str:
 
 def save_training_state(engine, ckpt_dir: str) -> str:
     tag = f"global_step{engine.global_steps}"
-    backend = engine.dp_backend
-    if backend is not None and hasattr(backend, "finish_pending"):
-        backend.finish_pending()
+    backend = engine.dp_backend  # its state_dict() waits for in-flight syncs without finishing them
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={
         "twocircuit": {"pp": engine.num_stages, "dp": engine.dp_world_size,
                        "dp_backend": engine.tc.dp_config.backend, "mask_seed": engine.mask_seed}})

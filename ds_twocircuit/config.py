@@ -95,12 +95,16 @@ class AnchorConfig:
     store: str = ""                 # snapshot store folder ("" -> <output_dir>/anchor_store)
     keep: int = 3                   # committed snapshots kept
     replicas: int = 1               # Z (the --anchor-replicas flag overrides)
+    consume: str = "scheduled"      # scheduled: use the gradient of snapshot s at step s+every (or
+                                    # later if it is late) -- staleness K, reproducible; arrival: as
+                                    # soon as it is published (staleness = the anchor's latency)
     spectral: SpectralConfig = field(default_factory=SpectralConfig)
 
     def validate(self, p):
         _range(self.every, 1, 1 << 30, f"{p}.every")
         _range(self.keep, 1, 1000, f"{p}.keep")
         _range(self.replicas, 0, 1024, f"{p}.replicas")
+        _choice(self.consume, ("scheduled", "arrival"), f"{p}.consume")
 
 
 @dataclass

@@ -10,9 +10,14 @@ number of nodes.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+
+CHILD_ENV = "DS_TWOCIRCUIT_ANCHOR_CHILD"
 
 
 @dataclass
@@ -90,3 +95,25 @@ def init_world(anchor_ranks: int = 0, timeout_s: int = 1800) -> World:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return World(role, rank, size, grank, gsize, lrank, backend)
+
+
+def supervise(argv) -> int:
+    """Run the anchor worker as a child process; never fail the launch because of it."""
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "ds_twocircuit.anchor.worker", *argv]
+    child = subprocess.Popen(cmd, env=env)
+    pidfile = os.environ.get("DS_TWOCIRCUIT_ANCHOR_PIDFILE")
+
+    def forward(sig, _frame):
+        if child.poll() is None:
+            child.send_signal(sig)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    if pidfile:
+        with open(f"{pidfile}.{os.environ.get('RANK', '0')}", "w") as f:
+            f.write(str(child.pid))
+    rc = child.wait()
+    if rc != 0:
+        print(f"[ds_twocircuit] anchor worker (global rank {os.environ.get('RANK')}) ended with code {rc}; "
+              "the fast circuit is unaffected", file=sys.stderr, flush=True)
+    return 0

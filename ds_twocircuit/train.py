@@ -39,8 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2, or 1 for one process)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: fast ranks / pp)")
     p.add_argument("--anchor-replicas", type=int, default=None,
-                   help="Z: anchor pipeline replicas on reserved ranks (default: the config's)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+                   help="Z: anchor pipeline replicas on reserved ranks (default: the config's "
+                        "twocircuit.anchor.replicas when twocircuit.anchor.enabled)")
+    p.add_argument("--anchor-only", action="store_true",
+                   help="run only the anchor circuit, as its own job, on the fast circuit's snapshot store "
+                        "(every launched rank is an anchor rank; --dp names the fast circuit's dp)")
+    p.add_argument("--anchor-store", default=None,
+                   help="snapshot store folder shared by both circuits (default: twocircuit.anchor.store, "
+                        "else <output_dir>/anchor_store)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="total optimizer steps of the run (default 30); a resumed run continues to this step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)")
@@ -52,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-sequences", type=int, default=32,
                    help="held-out sequences scored at start and end, dense and masked (0: skip)")
     p.add_argument("--save-checkpoint", action="store_true",
-                   help="also write a DeepSpeed checkpoint (weights + optimizer + DP state) at the end")
+                   help="write a DeepSpeed checkpoint (weights, optimizer, DP and anchor state) at the end")
+    p.add_argument("--save-interval", type=int, default=0,
+                   help="also checkpoint every N steps (0: only at the end with --save-checkpoint)")
     p.add_argument("--resume", default=None, help="DeepSpeed checkpoint folder to resume from")
     p.add_argument("--no-save-model", action="store_true", help="skip writing <output_dir>/hf")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -113,21 +123,31 @@ def make_plan(args, world_size: int) -> Plan:
     tc = TwoCircuitConfig.from_dict(ds.pop("twocircuit", {}))
     plan.tc = tc
 
+    if args.anchor_store:
+        tc.anchor.store = args.anchor_store
+    if args.anchor_replicas is not None and args.anchor_replicas > 0:
+        tc.anchor.enabled = True
     z = args.anchor_replicas if args.anchor_replicas is not None else (
         tc.anchor.replicas if tc.anchor.enabled else 0)
     if z < 0:
         raise ConfigError(f"--anchor-replicas must be >= 0, got {z}")
-    pp = args.pp or (2 if world_size >= 2 and world_size - 0 >= 2 else 1)
-    plan.anchor_ranks = z * pp
-    fast = world_size - plan.anchor_ranks
-    if fast < pp or fast % pp:
-        raise ConfigError(f"{world_size} processes cannot hold pp={pp} fast stages"
-                          + (f" plus {z} anchor replica(s) of {pp} ranks" if z else "")
-                          + f": the fast ranks ({fast}) must be a positive multiple of --pp")
-    dp = args.dp or fast // pp
-    if dp * pp != fast:
-        raise ConfigError(f"--dp {dp} x --pp {pp} = {dp * pp} but {fast} fast ranks were launched "
-                          f"({world_size} processes{f', {plan.anchor_ranks} anchor ranks' if z else ''})")
+    pp = args.pp or (2 if world_size >= 2 else 1)
+    if args.anchor_only:
+        if world_size % pp:
+            raise ConfigError(f"--anchor-only: {world_size} processes are not a multiple of --pp {pp}")
+        tc.anchor.enabled = True
+        z, plan.anchor_ranks, dp = world_size // pp, world_size, args.dp or 1
+    else:
+        plan.anchor_ranks = z * pp
+        fast = world_size - plan.anchor_ranks
+        if fast < pp or fast % pp:
+            raise ConfigError(f"{world_size} processes cannot hold pp={pp} fast stages"
+                              + (f" plus {z} anchor replica(s) of {pp} ranks" if z else "")
+                              + f": the fast ranks ({fast}) must be a positive multiple of --pp")
+        dp = args.dp or fast // pp
+        if dp * pp != fast:
+            raise ConfigError(f"--dp {dp} x --pp {pp} = {dp * pp} but {fast} fast ranks were launched "
+                              f"({world_size} processes{f', {plan.anchor_ranks} anchor ranks' if z else ''})")
     plan.pp, plan.dp, plan.z = pp, dp, z
     check_deepspeed_section(ds, pp, args.config)
 
@@ -185,6 +205,10 @@ def make_plan(args, world_size: int) -> Plan:
             raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} cannot run "
                               "with bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "
                               "re-syncs replicas every step); use fp32 or fp16")
+    if tc.dp_config.backend == "streaming_diloco" and spec.tied and tc.tied_embeddings == "sync" and pp > 1:
+        raise ConfigError(f"{args.config}: twocircuit.dp.backend = 'streaming_diloco' with "
+                          "twocircuit.tied_embeddings = 'sync' would sync the two copies of the tied "
+                          "embedding in different fragments (they drift apart); use 'untie' or 'freeze'")
     plan.ds_config = ds
     plan.output_dir = args.output_dir or os.path.join("runs", plan.config_name)
     return plan
@@ -260,6 +284,29 @@ def save_hf_folder(state: dict, plan, out: str) -> None:
     os.replace(tmp, out)
 
 
+def log0(is_rank0: bool, msg: str) -> None:
+    if is_rank0:
+        print(f"[ds_twocircuit] {msg}", flush=True)
+
+
+def _replicas_identical(engine, plan) -> bool | None:
+    """Whether all DP replicas of every stage hold bitwise-identical weights (a digest per
+    replica; no weights cross the wire)."""
+    import hashlib
+    import torch
+    import torch.distributed as dist
+    if plan.dp == 1:
+        return None
+    h = hashlib.sha256()
+    for _, p in sorted(engine.module.named_parameters()):
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digests = [None] * plan.dp
+    dist.all_gather_object(digests, h.hexdigest(), group=engine.grid.get_data_parallel_group())
+    flag = torch.tensor([1.0 if len(set(digests)) == 1 else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
+
+
 def _allreduce_wire(world):
     """Sum every rank's byte counters (all kinds) over the circuit's world."""
     import torch
@@ -283,6 +330,10 @@ def run(argv=None) -> int:
         if grank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
+    from .dist import CHILD_ENV, supervise
+    anchor_role = args.anchor_only or grank >= gsize - plan.anchor_ranks
+    if anchor_role and not os.environ.get(CHILD_ENV):
+        return supervise(sys.argv[1:] if argv is None else list(argv))
     prepare_runtime()
     from .dist import init_world
     world = init_world(plan.anchor_ranks)
@@ -315,6 +366,9 @@ def run_fast(plan, world) -> int:
     module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer(plan, trainable)
+    if tc.anchor.enabled:
+        from .anchor.circuit import wrap_optimizer
+        optimizer = wrap_optimizer(optimizer, module, plan)
     mpu = module.mpu()
     ds_conf = DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu)
     engine = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
@@ -337,6 +391,10 @@ def run_fast(plan, world) -> int:
     if args.resume:
         from .checkpoint import load_training_state
         start_step = load_training_state(engine, args.resume)
+    link = None
+    if tc.anchor.enabled:
+        from .anchor.circuit import AnchorLink
+        link = AnchorLink(engine, plan, world)
     stream = MicroBatchStream(train_seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank, start_step=start_step)
 
     evals = {}
@@ -346,16 +404,23 @@ def run_fast(plan, world) -> int:
             evals["heldout_loss_masked_first"] = _evaluate(engine, plan, held_seqs, masked=True)
 
     tokens_per_step = plan.mb * plan.gas * plan.dp * args.seq_len
-    metrics_f = open(os.path.join(out_dir, "metrics.jsonl"), "w" if not args.resume else "a") if is_rank0 else None
-    bar = tqdm(total=args.steps, initial=0, desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}",
+    if start_step >= args.steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for --steps {args.steps}")
+    metrics_f = open(os.path.join(out_dir, "metrics.jsonl"), "a" if args.resume else "w") if is_rank0 else None
+    bar = tqdm(total=args.steps, initial=start_step, desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}",
                unit="step", disable=not is_rank0, dynamic_ncols=True)
     losses = []
     t_start = time.perf_counter()
     hidden = plan.spec.hidden
-    for i in range(args.steps):
-        step = engine.global_steps
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    for step in range(start_step, args.steps):
+        assert engine.global_steps == step
         t0 = time.perf_counter()
         before = wire.totals()
+        dp_before = engine.timing["dp_s"]
+        if link is not None:
+            link.maybe_publish(step)
+            link.poll(step)
         loss = float(engine.train_batch(stream))
         dt = time.perf_counter() - t0
         after = wire.totals()
@@ -363,29 +428,40 @@ def run_fast(plan, world) -> int:
             raise FloatingPointError(f"step {step}: training loss is {loss}")
         losses.append(loss)
         if is_rank0:
-            rec = {"step": step, "loss": loss, "tokens": tokens_per_step * (i + 1), "step_s": round(dt, 4),
+            rec = {"step": step, "loss": loss, "tokens": tokens_per_step * (step + 1), "step_s": round(dt, 4),
                    "tokens_per_s": round(tokens_per_step / dt, 2),
                    "mask_rate": round(1.0 - engine.keep_fraction(step, hidden), 6),
-                   "lr": engine.get_lr()[0],
+                   "lr": engine.get_lr()[0], "dp_s": round(engine.timing["dp_s"] - dp_before, 5),
                    "wire_bytes_rank0": {k: after[k] - before[k] for k in after if after[k] != before[k]}}
             rec.update({f"dp.{k}": v for k, v in engine.step_stats.items() if k != "step"})
+            if link is not None:
+                rec.update(link.step_stats())
             metrics_f.write(json.dumps(rec) + "\n")
             metrics_f.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
             bar.update(1)
+        if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
+            from .checkpoint import save_training_state
+            save_training_state(engine, ckpt_dir)
     bar.close()
     wall = time.perf_counter() - t_start
     if is_rank0:
         metrics_f.close()
 
+    if args.save_checkpoint or args.save_interval:
+        # before the final flush: a run resumed from here continues exactly like this one would
+        from .checkpoint import save_training_state
+        save_training_state(engine, ckpt_dir)
+    if dp_backend.finalize():  # finish in-flight DiLoCo syncs; one final average of the replicas
+        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and replicas averaged once "
+                       "(the saved model is the agreed one)")
+    replicas_identical = _replicas_identical(engine, plan)
+    anchor_stats = link.finish() if link is not None else None
+
     if held_seqs is not None and args.eval_sequences > 0:
         evals["heldout_loss"] = _evaluate(engine, plan, held_seqs, masked=False)
         if tc.mode != "dense":
             evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
-
-    if args.save_checkpoint:
-        from .checkpoint import save_training_state
-        save_training_state(engine, os.path.join(out_dir, "checkpoint"))
 
     totals = _allreduce_wire(world)
     timing = {k: float(v) for k, v in engine.timing.items()}
@@ -396,7 +472,8 @@ def run_fast(plan, world) -> int:
 
     state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
     if is_rank0:
-        tokens = tokens_per_step * args.steps
+        steps_run = args.steps - start_step
+        tokens = tokens_per_step * steps_run
         wire_bytes = {"pp_activations": totals["pp_activations"], "pp_gradients": totals["pp_gradients"],
                       "pp_handshake": totals["pp_handshake"], "pp_tied": totals["pp_tied"],
                       "dp": totals["dp"], "anchor": totals["anchor"]}
@@ -407,10 +484,13 @@ def run_fast(plan, world) -> int:
                        "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
                        "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
                        "mask_seed": mask_seed},
-            "steps": args.steps, "tokens": tokens, "wall_s": round(wall, 3),
+            "steps": steps_run, "first_step": start_step, "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 3),
             "loss_first": losses[0], "loss_last": losses[-1],
-            "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z},
+            "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
+            "dp_backend": tc.dp_config.backend,
+            "dp_replicas_identical": replicas_identical,
+            "anchor": anchor_stats,
             "mask_rate": tc.effective_mask_rate,
             "kept_channels": (plan.spec.hidden if tc.mode == "dense"
                               else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),

@@ -551,8 +551,10 @@ class SnapshotStore:
             removed.append(step)
         return removed
 
-    def poll_anchor_gradients(self, stage: int, after_step: Optional[int] = None) -> Optional[AnchorGradients]:
-        """The newest complete anchor gradients of ``stage`` with source step > ``after_step``.
+    def poll_anchor_gradients(self, stage: int, after_step: Optional[int] = None,
+                              max_step: Optional[int] = None) -> Optional[AnchorGradients]:
+        """The newest complete anchor gradients of ``stage`` with source step > ``after_step``
+        (and <= ``max_step`` when given: a consumer that takes gradients on a schedule).
 
         Never blocks: returns None when there is none. Incomplete or corrupt files are skipped
         with a warning (once per file version) and the next older one is tried.
@@ -562,6 +564,8 @@ class SnapshotStore:
         for step, folder in self._gradient_steps():
             if after_step is not None and step <= after_step:
                 break
+            if max_step is not None and step > max_step:
+                continue
             pt_path, marker = self._grad_paths(step, stage)
             try:
                 record = _read_json(marker)

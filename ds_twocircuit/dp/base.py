@@ -217,6 +217,17 @@ class DPBackend:
         """Complete any in-flight synchronisation now (end of training).  True if params changed."""
         return False
 
+    def finalize(self) -> bool:
+        """End of training: finish in-flight syncs, then, for backends whose replicas drift
+        between syncs, average the live weights once so that every replica holds (and saves) the
+        same model. Returns True if the live parameters changed."""
+        changed = self.flush()
+        if self.replicas_may_differ and self.world_size > 1:
+            with torch.no_grad():
+                CoalescedMean([p.data for p in self.params], self.comm).wait()
+            changed = True
+        return changed
+
     def state_dict(self) -> dict:
         return {"backend": self.backend_name, "names": list(self.names)}
 

@@ -1,0 +1,333 @@
+"""The anchor circuit and its link to the fast circuit (method notes, sections 2-3).
+
+Fast side (:class:`AnchorLink`): every K steps the fast circuit writes a snapshot of its weights
+(DeepSpeed's per-layer files, the same the DeepSpeed checkpoint holds) plus the identity of the
+batch it trains on at that step, commits it atomically to a :class:`SnapshotStore`, and at every
+step picks up, without ever waiting, the newest anchor gradients of its own stage and hands them
+to :class:`SpectralCorrection`.
+
+Anchor side (:func:`run_anchor`): Z unmasked pipeline replicas in their own process-group world
+(a DeepSpeed pipeline topology must span its whole world), same partitioning as the fast circuit,
+running an :class:`AnchorPipelineEngine` that never steps an optimizer: load the newest committed
+snapshot, recompute its batch (the data pipeline is a pure function of the step), run a dense
+forward/backward, average over the Z replicas and publish each stage's gradients of the 2-D
+decoder matrices.
+
+Invariant: the fast circuit never blocks on the anchor. It only reads committed files; a slow,
+crashed or absent anchor just means no new anchor state (training goes on with the last one, and
+the log says so). The launched anchor rank is a supervisor that runs the real worker as a child
+and always exits 0, so a crashed or killed anchor never makes the launcher tear down the fast
+circuit.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import warnings
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule
+
+from .. import wire
+from ..engine import MaskedPipelineEngine
+from .spectral import SpectralCorrection
+from .store import SnapshotStore
+
+DONE = "FAST_DONE"
+RUN = "RUN"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+class AnchorPipelineEngine(MaskedPipelineEngine):
+    """Dense forward/backward only: gradients are averaged over the Z replicas and left in
+    ``p.grad``; the optimizer is never stepped and the engine's step counter never moves."""
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        pass
+
+    _INSTRUCTION_MAP = {**MaskedPipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step}
+
+
+def decoder_matrices(module) -> dict[str, torch.nn.Parameter]:
+    """The 2-D weights of the decoder layers of a pipeline stage, by parameter name (attention
+    and MLP projections; not norms, biases, embeddings or the head)."""
+    from ..models.layers import DecoderPipe
+    out = {}
+    for mname, m in module.named_modules():
+        if isinstance(m, DecoderPipe):
+            for pname, p in m.layer.named_parameters():
+                if p.dim() == 2 and p.requires_grad:
+                    out[f"{mname}.layer.{pname}"] = p
+    return out
+
+
+def store_root(plan) -> str:
+    return plan.tc.anchor.store or os.path.join(plan.output_dir, "anchor_store")
+
+
+def wrap_optimizer(optimizer, module, plan):
+    """Wrap the fast circuit's optimizer in SpectralCorrection (when the anchor is enabled)."""
+    sc = plan.tc.anchor.spectral
+    targets = decoder_matrices(module)
+    if not targets:
+        return optimizer
+    return SpectralCorrection(optimizer, targets, alpha=sc.alpha, tau=sc.tau, beta=sc.beta,
+                              tau_mode=sc.tau_mode, svd=sc.svd,
+                              svd_rank=(sc.svd_rank or None), topk_diag=sc.topk_diag,
+                              seed=plan.args.seed)
+
+
+class AnchorLink:
+    """Fast-circuit side: publish snapshots, consume anchor gradients, never wait."""
+
+    def __init__(self, engine, plan, world):
+        self.engine, self.plan, self.world = engine, plan, world
+        self.every = plan.tc.anchor.every
+        self.store = SnapshotStore(store_root(plan), keep=plan.tc.anchor.keep)
+        self.opt = engine.optimizer if isinstance(engine.optimizer, SpectralCorrection) else None
+        self.stage = engine.stage_id
+        self.dp_rank = engine.grid.get_data_parallel_id()
+        self.dp_group = engine.grid.get_data_parallel_group()
+        self.updates = 0
+        self.staleness: list[int] = []
+        self.wait_s = 0.0
+        self.publish_s = 0.0
+        self.refresh_s = 0.0
+        self.received_bytes = 0
+        self.last_arrival_step = None
+        self._warned_absent = False
+        box = [None]
+        if world.rank == 0:
+            self.store.discard_after(engine.global_steps - 1)  # snapshots of a run we replace
+            try:
+                os.remove(os.path.join(self.store.root, DONE))
+            except FileNotFoundError:
+                pass
+            box = [uuid.uuid4().hex[:12]]
+            _write_atomic(os.path.join(self.store.root, RUN), box[0])
+        dist.broadcast_object_list(box, src=0)
+        self.run_id = box[0]  # snapshots and gradients of another run in the same store are ignored
+
+    # -- snapshots --------------------------------------------------------------------------
+    def maybe_publish(self, step: int) -> None:
+        if step % self.every:
+            return
+        t0 = time.perf_counter()
+        tag = f"step{step:08d}"
+        if self.world.rank == 0:
+            self.store.prepare_snapshot(tag)
+        dist.barrier()
+        folder = os.path.join(self.store.snapshots_dir, tag)
+        self.engine.module.save_state_dict(folder, checkpoint_engine=self.engine.checkpoint_engine)
+        mine = {}
+        if self.dp_rank == 0:
+            for f in os.listdir(folder):
+                if f.startswith("layer_") and f.endswith("-model_states.pt"):
+                    idx = int(f[6:8])
+                    if self.engine.module._local_start <= idx < self.engine.module._local_stop:
+                        mine[f] = os.path.getsize(os.path.join(folder, f))
+        parts = [None] * self.world.size if self.world.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.world.rank == 0:
+            files = {}
+            for p in parts:
+                files.update(p)
+            batch = {"run": self.run_id, "step": step, "dp": self.plan.dp, "gas": self.plan.gas, "micro_batch_size": self.plan.mb,
+                     "seq_len": self.plan.args.seq_len, "seed": self.plan.args.seed, "data": self.plan.args.data}
+            self.store.commit_snapshot(tag, step, batch, files=files)
+        self.publish_s += time.perf_counter() - t0
+
+    # -- anchor gradients -------------------------------------------------------------------
+    def poll(self, step: int) -> None:
+        """Hand new anchor gradients of this stage to the optimizer, if any arrived. All DP
+        replicas of a stage submit the same gradients at the same step (rank 0 of the stage's
+        DP group reads them and broadcasts), so their filters stay identical."""
+        if self.opt is None:
+            return
+        t0 = time.perf_counter()
+        got = None
+        if self.dp_rank == 0:
+            latest = step - self.every if self.plan.tc.anchor.consume == "scheduled" else None
+            got = self.store.poll_anchor_gradients(self.stage, after_step=self.opt.last_anchor_source_step,
+                                                   max_step=latest)
+            if got is not None and (got.batch_id or {}).get("run") != self.run_id:
+                got = None
+        if self.plan.dp > 1:
+            box = [None if got is None else (got.source_step, got.grads, got.nbytes)]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            if box[0] is not None:
+                source_step, grads, nbytes = box[0]
+                if self.dp_rank == 0:
+                    wire.count("anchor", nbytes * (self.plan.dp - 1))  # rank 0 forwards to its replicas
+            else:
+                source_step = grads = None
+        else:
+            source_step, grads = (got.source_step, got.grads) if got is not None else (None, None)
+        self.wait_s += time.perf_counter() - t0
+        if grads is not None:
+            if self.dp_rank == 0:
+                wire.count("anchor", got.nbytes)  # what crossed from the anchor to this stage
+                self.received_bytes += got.nbytes
+            t1 = time.perf_counter()
+            self.opt.submit_anchor_gradients(grads, source_step)
+            self.refresh_s += time.perf_counter() - t1
+            self.updates += 1
+            self.staleness.append(step - source_step)
+            self.last_arrival_step = step
+        elif step >= 3 * self.every and self.last_arrival_step is None and not self._warned_absent \
+                and self.world.rank == 0:
+            self._warned_absent = True
+            print(f"[ds_twocircuit] step {step}: no anchor gradients yet (anchor slow, crashed or absent); "
+                  "training continues without anchor priors", flush=True)
+        self.opt.current_step = step
+
+    def step_stats(self) -> dict:
+        s = {"anchor.updates": self.updates, "anchor.wait_s": round(self.wait_s, 6)}
+        if self.staleness:
+            s["anchor.staleness"] = self.staleness[-1]
+        if self.opt is not None:
+            s.update({k.replace("spectral/", "spectral."): v for k, v in self.opt.last_stats().items()})
+        return s
+
+    def finish(self) -> dict:
+        if self.world.rank == 0:
+            _write_atomic(os.path.join(self.store.root, DONE), self.run_id)
+        vec = torch.tensor([self.updates, sum(self.staleness), len(self.staleness), self.wait_s,
+                            self.publish_s, self.refresh_s], dtype=torch.float64)
+        # stats of the stage with the fewest updates (stages consume independently)
+        mins = vec.clone()
+        dist.all_reduce(mins[:1], op=dist.ReduceOp.MIN)
+        dist.all_reduce(vec[3:], op=dist.ReduceOp.MAX)
+        n = len(self.staleness)
+        return {"updates": int(mins[0]), "mean_staleness": (sum(self.staleness) / n) if n else None,
+                "wait_s": round(float(vec[3]), 6), "publish_s": round(float(vec[4]), 3),
+                "refresh_s": round(float(vec[5]), 3), "every": self.every, "store": self.store.root,
+                "received_bytes_stage": self.received_bytes}
+
+
+# ------------------------------------------------------------------------------------------------
+# Anchor side
+
+def run_anchor(plan, world) -> int:
+    """The anchor worker: Z unmasked replicas of the pipeline, same partitioning."""
+    import copy
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import AutoTokenizer
+
+    from ..data import MicroBatchStream, PackedSequences
+    from ..dp.registry import get_backend
+    from ..models.pipe import build_pipeline
+
+    args, tc = plan.args, plan.tc
+    z_rank_world = world.rank
+    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
+    params = [p for p in module.parameters() if p.requires_grad]
+    dummy = torch.optim.SGD(params, lr=0.0)
+    ds = copy.deepcopy(plan.ds_config)
+    ds["train_batch_size"] = plan.mb * plan.gas * plan.z
+    ds.pop("scheduler", None)
+    mpu = module.mpu()
+    engine = AnchorPipelineEngine(args=None, model=module, optimizer=dummy, model_parameters=params, mpu=mpu,
+                                  config=ds, config_class=DeepSpeedConfig(copy.deepcopy(ds), mpu))
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    zgroup = engine.grid.get_data_parallel_group()
+    backend = get_backend("allreduce")(named, zgroup if plan.z > 1 else None, plan.z,
+                                       engine.grid.get_data_parallel_id(), {"backend": "allreduce"})
+    atc = copy.deepcopy(tc)
+    atc.mode = "dense"
+    engine.pipeline_enable_backward_allreduce = False
+    engine.setup_twocircuit(atc, 0, backend)
+    targets = decoder_matrices(engine.module)
+    names = sorted(targets)
+    store = SnapshotStore(store_root(plan), keep=tc.anchor.keep)
+    tok = AutoTokenizer.from_pretrained(plan.model_folder)
+    seqs = PackedSequences(plan.train_docs, tok, args.seq_len, seed=args.seed)
+    z = engine.grid.get_data_parallel_id()
+    stage = engine.stage_id
+    poll_s = float(os.environ.get("DS_TWOCIRCUIT_ANCHOR_POLL_S", "0.2"))
+    idle_timeout = float(os.environ.get("DS_TWOCIRCUIT_ANCHOR_IDLE_S", "900"))
+    last_step, processed, bad = -1, 0, set()
+    current_run, run_of = None, {}
+    last_activity = time.time()
+    is_root = z_rank_world == 0
+    if is_root:
+        print(f"[ds_twocircuit] anchor circuit up: Z={plan.z} x pp={plan.pp}, store {store.root}", flush=True)
+    while True:
+        decision = [None]
+        if is_root:
+            run_id = _read(os.path.join(store.root, RUN))
+            info = store.latest_committed_snapshot()
+            if info is not None and (info.batch_id or {}).get("run") != run_id:
+                info = None  # a snapshot of an earlier run in the same store
+            if run_id != current_run:  # the fast circuit (re)started: a new timeline
+                current_run, last_step = run_id, -1
+            done = run_id is not None and _read(os.path.join(store.root, DONE)) == run_id
+            if info is not None and info.step > last_step and info.tag not in bad:
+                decision = [("work", info.tag, info.step, run_id)]
+            elif done:
+                decision = [("stop",)]
+            elif time.time() - last_activity > idle_timeout:
+                decision = [("idle",)]
+            else:
+                decision = [("wait",)]
+        dist.broadcast_object_list(decision, src=0)
+        kind = decision[0][0]
+        if kind == "stop":
+            break
+        if kind == "idle":
+            if is_root:
+                print(f"[ds_twocircuit] anchor: no new snapshot for {idle_timeout:.0f} s; stopping", flush=True)
+            break
+        if kind == "wait":
+            time.sleep(poll_s)
+            continue
+        _, tag, step, run_id = decision[0]
+        run_of[tag] = run_id
+        folder = os.path.join(store.snapshots_dir, tag)
+        ok = torch.tensor([1.0])
+        try:
+            engine.module.load_state_dir(folder, checkpoint_engine=engine.checkpoint_engine, strict=True)
+        except Exception as e:  # a file vanished (pruned) or is corrupt: skip this snapshot
+            warnings.warn(f"anchor: snapshot {tag} unreadable on stage {stage} ({type(e).__name__}: {e}); skipped")
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 0:
+            bad.add(tag)
+            continue
+        for p in engine.module.parameters():
+            p.grad = None
+        stream = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, z % plan.dp, start_step=step)
+        loss = float(engine.train_batch(stream))
+        if engine.grid.get_data_parallel_id() == 0:
+            grads = {n: targets[n].grad.detach().clone() for n in names if targets[n].grad is not None}
+            store.publish_anchor_gradients(stage, step, grads, batch_id={"run": run_of[tag], "step": step,
+                                                                         "loss": loss})
+        last_step, processed = step, processed + 1
+        last_activity = time.time()
+        if is_root:
+            print(f"[ds_twocircuit] anchor: gradients for snapshot step {step} published (dense loss {loss:.4f})",
+                  flush=True)
+    if is_root:
+        import json
+        with open(os.path.join(store.root, "anchor_summary.json"), "w") as f:
+            json.dump({"processed": processed, "last_step": last_step, "wire_bytes": wire.totals()}, f, indent=2)
+    dist.barrier()
+    return 0
