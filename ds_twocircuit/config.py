@@ -95,6 +95,8 @@ class AnchorConfig:
     store: str = ""                 # snapshot store folder ("" -> <output_dir>/anchor_store)
     keep: int = 3                   # committed snapshots kept
     replicas: int = 1               # Z (the --anchor-replicas flag overrides)
+    startup_wait_s: float = -1.0    # before step 0, wait up to this long for the anchor to be up
+                                    # (-1: 120 s when the launch holds anchor ranks, else 0)
     consume: str = "scheduled"      # scheduled: use the gradient of snapshot s at step s+every (or
                                     # later if it is late) -- staleness K, reproducible; arrival: as
                                     # soon as it is published (staleness = the anchor's latency)

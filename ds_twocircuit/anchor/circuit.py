@@ -37,6 +37,7 @@ from .store import SnapshotStore
 
 DONE = "FAST_DONE"
 RUN = "RUN"
+UP = "ANCHOR_UP"
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -123,8 +124,25 @@ class AnchorLink:
                 pass
             box = [uuid.uuid4().hex[:12]]
             _write_atomic(os.path.join(self.store.root, RUN), box[0])
+            wait = plan.tc.anchor.startup_wait_s
+            if wait < 0:
+                wait = 120.0 if plan.anchor_ranks else 0.0
+            self._wait_for_anchor(box[0], wait)
         dist.broadcast_object_list(box, src=0)
         self.run_id = box[0]  # snapshots and gradients of another run in the same store are ignored
+
+    def _wait_for_anchor(self, run_id: str, timeout_s: float) -> None:
+        """Start-up only (never during training): let an anchor launched alongside come up."""
+        if timeout_s <= 0:
+            return
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if _read(os.path.join(self.store.root, UP)) == run_id:
+                print(f"[ds_twocircuit] anchor circuit ready after {time.time() - t0:.1f} s", flush=True)
+                return
+            time.sleep(0.1)
+        print(f"[ds_twocircuit] anchor circuit not up after {timeout_s:.0f} s; training without it until "
+              "it delivers", flush=True)
 
     # -- snapshots --------------------------------------------------------------------------
     def maybe_publish(self, step: int) -> None:
@@ -219,7 +237,7 @@ class AnchorLink:
         n = len(self.staleness)
         return {"updates": int(mins[0]), "mean_staleness": (sum(self.staleness) / n) if n else None,
                 "wait_s": round(float(vec[3]), 6), "publish_s": round(float(vec[4]), 3),
-                "refresh_s": round(float(vec[5]), 3), "every": self.every, "store": self.store.root,
+                "refresh_s": round(float(vec[5]), 3), "every": self.every, "store": str(self.store.root),
                 "received_bytes_stage": self.received_bytes}
 
 
@@ -244,6 +262,7 @@ def run_anchor(plan, world) -> int:
     ds = copy.deepcopy(plan.ds_config)
     ds["train_batch_size"] = plan.mb * plan.gas * plan.z
     ds.pop("scheduler", None)
+    ds["steps_per_print"] = None  # the engine's step counter never moves here
     mpu = module.mpu()
     engine = AnchorPipelineEngine(args=None, model=module, optimizer=dummy, model_parameters=params, mpu=mpu,
                                   config=ds, config_class=DeepSpeedConfig(copy.deepcopy(ds), mpu))
@@ -279,6 +298,8 @@ def run_anchor(plan, world) -> int:
                 info = None  # a snapshot of an earlier run in the same store
             if run_id != current_run:  # the fast circuit (re)started: a new timeline
                 current_run, last_step = run_id, -1
+                if run_id is not None:
+                    _write_atomic(os.path.join(store.root, UP), run_id)
             done = run_id is not None and _read(os.path.join(store.root, DONE)) == run_id
             if info is not None and info.step > last_step and info.tag not in bad:
                 decision = [("work", info.tag, info.step, run_id)]

@@ -1,0 +1,113 @@
+"""The anchor circuit end to end on the tiny preset: 2 fast + 2 anchor ranks in one launch."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from launch_helpers import CONFIGS, ROOT, TRAIN, env, free_port, read_metrics, read_summary, torchrun
+
+pytestmark = pytest.mark.multiproc
+
+SEQ = 64
+EVERY = 4
+
+
+def _cfg(tmp_path, **anchor):
+    cfg = json.load(open(os.path.join(CONFIGS, "m95_ap.json")))
+    cfg["twocircuit"]["anchor"].update(every=EVERY, **anchor)
+    cfg["twocircuit"]["anchor"]["spectral"].update(tau_mode="relative")
+    path = tmp_path / "ap.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_anchor_updates_arrive_with_staleness_k(tmp_path):
+    out = str(tmp_path / "run")
+    torchrun(4, ["--model", "tiny", "--deepspeed", _cfg(tmp_path), "--pp", "2", "--anchor-replicas", "1",
+                 "--steps", "40", "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
+    s = read_summary(out)
+    a = s["anchor"]
+    # snapshots every 4 steps; the gradient of snapshot s is used at step s + 4 or later
+    assert a["updates"] >= 3
+    assert EVERY <= a["mean_staleness"] <= 3 * EVERY
+    assert a["wait_s"] < 1.0
+    assert s["wire_bytes"]["anchor"] > 0
+    assert s["loss_last"] < s["loss_first"]
+    m = read_metrics(out)
+    first = next(r for r in m if r.get("anchor.updates", 0) >= 1)
+    assert first["step"] >= EVERY and first["anchor.staleness"] >= EVERY
+    assert "spectral.filter_effect" in m[-1] and m[-1]["spectral.anchor_updates"] >= 3
+    # the correction acted: the filter changed the masked gradients
+    assert m[-1]["spectral.filter_effect"] > 0.01
+    store = os.path.join(out, "anchor_store")
+    assert json.load(open(os.path.join(store, "anchor_summary.json")))["processed"] >= 3
+
+
+def test_killing_the_anchor_does_not_stop_or_slow_the_fast_circuit(tmp_path):
+    out = str(tmp_path / "run")
+    pidfile = str(tmp_path / "anchor.pid")
+    e = env()
+    e["DS_TWOCIRCUIT_ANCHOR_PIDFILE"] = pidfile
+    steps = 300
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), TRAIN, "--model", "tiny", "--deepspeed",
+           _cfg(tmp_path, consume="arrival"), "--pp", "2", "--anchor-replicas", "1", "--steps", str(steps),
+           "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = None
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            metrics = os.path.join(out, "metrics.jsonl")
+            if os.path.exists(metrics):
+                rows = read_metrics(out)
+                if rows and rows[-1].get("anchor.updates", 0) >= 1:
+                    pids = [int(open(p).read()) for p in glob.glob(pidfile + ".*")]
+                    assert len(pids) == 2
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    killed_at = rows[-1]["step"]
+                    break
+            time.sleep(0.2)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed_at is not None, "the anchor never delivered an update"
+    assert proc.returncode == 0, output[-3000:]
+    assert "anchor worker" in output and "the fast circuit is unaffected" in output
+    rows = read_metrics(out)
+    assert len(rows) == steps
+    before = [r["step_s"] for r in rows[1:killed_at + 1]]
+    after = [r["step_s"] for r in rows[killed_at + 2:]]
+    assert sum(after) / len(after) <= 1.5 * sum(before) / len(before)
+    updates = read_summary(out)["anchor"]["updates"]
+    assert 1 <= updates and rows[-1]["anchor.updates"] == updates
+
+
+def test_anchor_job_skips_a_truncated_snapshot(tmp_path):
+    # fast circuit alone (anchor enabled, no anchor ranks): publishes snapshots at steps 0 and 4
+    out = str(tmp_path / "run")
+    cfg = _cfg(tmp_path, keep=5)
+    torchrun(2, ["--model", "tiny", "--deepspeed", cfg, "--pp", "2", "--anchor-replicas", "0", "--steps", "6",
+                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0", "--no-save-model"])
+    store = os.path.join(out, "anchor_store")
+    newest = sorted(glob.glob(os.path.join(store, "snapshots", "step*")))[-1]
+    assert newest.endswith("step00000004")
+    victim = sorted(glob.glob(os.path.join(newest, "layer_*")))[0]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    # the anchor as its own job on the fast circuit's store
+    p = torchrun(2, ["--model", "tiny", "--deepspeed", cfg, "--pp", "2", "--anchor-only", "--anchor-store", store,
+                     "--seq-len", str(SEQ), "--output-dir", out])
+    published = sorted(os.path.basename(d) for d in glob.glob(os.path.join(store, "grads", "step_*")))
+    assert published == ["step_00000000"], published
+    assert "step00000004" in p.stdout + p.stderr
+    g = torch.load(os.path.join(store, "grads", "step_00000000", "stage_00.pt"), weights_only=True)
+    assert g["source_step"] == 0 and all(t.dim() == 2 for t in g["grads"].values())
