@@ -46,8 +46,11 @@ def check_finite(step: int, names, tensors, what: str = "gradient") -> None:
     """One fused check (a single host sync) over all ``tensors``; raise naming the first bad one."""
     if not tensors:
         return
-    dev = tensors[0].device
-    flags = torch.stack([torch.isfinite(t).all().to(dev) for t in tensors])
+    # One fused pass: a NaN/inf anywhere makes that tensor's norm non-finite (no per-element
+    # boolean copies; a finite tensor whose norm overflows fp32 is absurd enough to refuse too).
+    norms = torch._foreach_norm([t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+                                 for t in tensors])
+    flags = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
     if bool(flags.all()):
         return
     first = int((~flags).nonzero()[0, 0])
