@@ -1,0 +1,52 @@
+"""The README's two set-up commands: .ci/run runs the test command verbatim, and the main-job
+command really adapts the embedded default model (slow; part of CI)."""
+import json
+import os
+import re
+import shlex
+
+import pytest
+
+from launch_helpers import ROOT, deepspeed_launch, read_metrics, read_summary
+
+README = os.path.join(ROOT, "README.md")
+
+
+def _commands():
+    text = open(README).read()
+    blocks = re.findall(r"```\n(.*?)\n```", text, flags=re.S)
+    return blocks[0].strip(), blocks[1].strip()
+
+
+def test_readme_has_the_two_commands_and_ci_runs_the_test_one():
+    run_cmd, test_cmd = _commands()
+    assert run_cmd.endswith("deepspeed --num_gpus 2 launch/train.py --deepspeed ds_configs/m95.json")
+    assert "pytest" in test_cmd and "pip install" in test_cmd
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert test_cmd in ci.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_readme_main_job_adapts_the_default_model(tmp_path):
+    run_cmd, _ = _commands()
+    launch = shlex.split(run_cmd.split("&&")[-1])
+    assert launch[:3] == ["deepspeed", "--num_gpus", "2"]
+    out = str(tmp_path / "m95")
+    deepspeed_launch(2, launch[3:] + ["--output-dir", out], timeout=1500)
+    s = read_summary(out)
+    assert s["config"]["model"] == "smollm2-135m" and s["mesh"] == {**s["mesh"], "pp": 2, "dp": 1}
+    assert s["steps"] == 30 and s["tokens"] == 30 * 8 * 128
+    assert len(read_metrics(out)) == 30
+    assert s["loss_last"] < s["loss_first"] - 1.0          # masked training makes progress
+    assert s["heldout_loss_masked"] < s["heldout_loss_masked_first"]
+    # 29 of 576 channels cross the link, both ways
+    values = 30 * 8 * 128
+    assert s["wire_bytes"]["pp_activations"] == values * 29 * 4
+    assert s["wire_bytes"]["pp_gradients"] == values * 29 * 4
+    from transformers import AutoModelForCausalLM
+    import torch
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(input_ids=x).logits).all()
+    assert json.load(open(os.path.join(out, "hf", "config.json")))["tie_word_embeddings"] is False
