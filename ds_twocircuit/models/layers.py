@@ -112,6 +112,12 @@ class HeadPipe(nn.Module):
         return {"lm_head.": "lm_head."}
 
 
+def hf_decoder_matrices(model) -> dict:
+    """The 2-D decoder weights (attention and MLP projections) of a plain HF causal LM."""
+    return {f"model.layers.{i}.{n}": p for i, layer in enumerate(model.model.layers)
+            for n, p in layer.named_parameters() if p.dim() == 2 and p.requires_grad}
+
+
 def tied_head_forward(embed: EmbedPipe, hidden):
     return F.linear(hidden, embed.embed_tokens.weight)
 
