@@ -1,0 +1,67 @@
+"""DeepSpeed adapter: a DP backend in place of a plain ``DeepSpeedEngine``'s gradient all-reduce.
+
+For models trained without pipeline parallelism (``deepspeed.initialize`` on an ordinary module,
+Accelerate, the Hugging Face Trainer). The engine's own all-reduce is switched off through its
+public flag (``enable_backward_allreduce``, the switch 1-bit Adam used) and the backend runs at the
+gradient-accumulation boundary: ``reduce_gradients`` right before DeepSpeed's model step (so
+gradient clipping sees the synchronised gradient), ``after_optimizer_step`` right after it.
+
+    engine, opt, _, _ = deepspeed.initialize(model=model, config="ds.json", ...)
+    attach_dp_backend(engine)            # reads "twocircuit": {"dp": {...}} from the config
+
+Accelerate: ``ds_twocircuit.accelerate.enable_dp_compression(accelerator)`` after ``prepare``.
+"""
+from __future__ import annotations
+
+from ..config import ConfigError
+from .config import DPConfig
+from .registry import get_backend
+
+
+def _dp_section(engine, dp):
+    if dp is not None:
+        return dp
+    raw = getattr(engine, "config", None) or getattr(engine._config, "_param_dict", {})
+    return ((raw or {}).get("twocircuit") or {}).get("dp") or {"backend": "allreduce"}
+
+
+def attach_dp_backend(engine, dp: dict | None = None):
+    """Replace ``engine``'s data-parallel all-reduce by the configured backend; returns it."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.utils import groups
+
+    if isinstance(engine, PipelineEngine):
+        raise ConfigError("attach_dp_backend is for plain DeepSpeed engines; pipelines get their backend "
+                          "from launch/train.py (MaskedPipelineEngine)")
+    try:
+        cfg = DPConfig.from_dict(_dp_section(engine, dp))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if engine.zero_optimization_stage() >= 1:
+        raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} needs zero_optimization.stage = 0: ZeRO "
+                          "partitions gradients/optimizer state over the DP group and reduces them itself")
+    if isinstance(engine.optimizer, BF16_Optimizer):
+        raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} cannot run under DeepSpeed's BF16 optimizer "
+                          "(it keeps its own flat fp32 gradients); use torch_autocast or fp32")
+    if not engine.managed_gradient_accumulation():
+        raise ConfigError("twocircuit.dp needs DeepSpeed's managed gradient accumulation")
+    group = groups._get_data_parallel_group()
+    world = engine.dp_world_size
+    import torch.distributed as dist
+    rank = dist.get_rank(group) if world > 1 else 0
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    backend = get_backend(cfg.backend)(named, group if world > 1 else None, world, rank, cfg)
+    engine.enable_backward_allreduce = False
+    original = engine._take_model_step
+
+    def take_model_step(lr_kwargs, *args, **kwargs):
+        step = engine.global_steps
+        backend.reduce_gradients(step)
+        out = original(lr_kwargs, *args, **kwargs)
+        backend.after_optimizer_step(step)
+        return out
+
+    engine._take_model_step = take_model_step
+    engine.dp_backend = backend
+    return backend
