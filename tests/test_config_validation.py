@@ -98,3 +98,28 @@ def test_run_returns_exit_code_2_with_message(tmp_path, capsys, monkeypatch):
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("error: twocircuit.mask_rate") and "Traceback" not in err
+
+
+def test_diloco_refuses_zero_and_bf16_under_pp(tmp_path):
+    dp = {"backend": "diloco", "inner_steps": 4}
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage = 1 re-syncs"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, _top={"zero_optimization": {"stage": 1}})])
+    with pytest.raises(ConfigError, match=r"bf16\.enabled"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, _top={"bf16": {"enabled": True}})])
+
+
+def test_streaming_diloco_refuses_synced_tied_embeddings(tmp_path):
+    dp = {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2}
+    with pytest.raises(ConfigError, match=r"tied_embeddings = 'sync'"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, tied_embeddings="sync")])
+
+
+def test_anchor_launch_shapes(tmp_path):
+    plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2",
+                            "--anchor-replicas", "1"], world=4)
+    assert (plan.pp, plan.dp, plan.z, plan.anchor_ranks) == (2, 1, 1, 2)
+    with pytest.raises(ConfigError, match=r"plus 1 anchor replica"):
+        _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2"], world=2)
+    plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2", "--anchor-only",
+                            "--dp", "3"], world=2)
+    assert (plan.z, plan.anchor_ranks, plan.dp) == (1, 2, 3)
