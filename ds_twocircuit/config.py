@@ -76,6 +76,8 @@ class SpectralConfig:
     svd: str = "full"               # full | randomized
     svd_rank: int = 0               # randomized SVD rank (0: min(n, m))
     topk_diag: int = 16             # k of the alignment diagnostic
+    anchor_mix: float = 0.0         # add the anchor EMA itself, scaled to ||G_mask||, with this
+                                    # weight (0: the paper's filter only)
     ema_init: str = "bias_corrected"  # bias_corrected (Adam-style) | first (M = first G) |
                                       # zero (the formula taken literally: M starts at 0)
 
@@ -88,6 +90,7 @@ class SpectralConfig:
         _range(self.svd_rank, 0, 1 << 20, f"{p}.svd_rank")
         _range(self.topk_diag, 1, 1 << 20, f"{p}.topk_diag")
         _choice(self.ema_init, ("bias_corrected", "first", "zero"), f"{p}.ema_init")
+        _range(self.anchor_mix, 0.0, 100.0, f"{p}.anchor_mix")
 
 
 @dataclass

@@ -47,6 +47,9 @@ VARIANTS = {
     "m95_ap_rel": dict(mode="random", p=0.95, ap=dict(every=20, alpha=0.3, tau=0.05, tau_mode="relative")),
     "m95_ap_rel_a0": dict(mode="random", p=0.95, ap=dict(every=20, alpha=0.0, tau=0.05, tau_mode="relative")),
     "m95_ap_rel_a0_k5": dict(mode="random", p=0.95, ap=dict(every=5, alpha=0.0, tau=0.05, tau_mode="relative")),
+    # extension: the anchor prior itself mixed into the update (scaled to the masked gradient's norm)
+    "m95_ap_mix": dict(mode="random", p=0.95, ap=dict(every=20, alpha=0.3, tau=0.05, tau_mode="relative", mix=0.5)),
+    "m95_ap_mix_k5": dict(mode="random", p=0.95, ap=dict(every=5, alpha=0.3, tau=0.05, tau_mode="relative", mix=0.5)),
     "m90_ap_rel_a0_k5": dict(mode="random", p=0.90, ap=dict(every=5, alpha=0.0, tau=0.05, tau_mode="relative")),
 }
 
@@ -112,7 +115,7 @@ def run_variant(name, args):
     if ap:
         opt = SpectralCorrection(opt, targets, alpha=ap["alpha"], tau=ap["tau"], beta=0.95,
                                  tau_mode=ap["tau_mode"], ema_init=ap.get("ema_init", "bias_corrected"),
-                                 seed=args.seed)
+                                 anchor_mix=ap.get("mix", 0.0), seed=args.seed)
     gas = args.batch // args.micro_batch
     pending = {}  # source step -> dense gradients (delivered at source + K)
     log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed,

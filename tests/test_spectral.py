@@ -467,3 +467,23 @@ def test_deepspeed_accepts_it_as_client_optimizer_and_resumes_bitwise(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _DS_SCRIPT, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "DS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_anchor_mix_adds_the_scaled_anchor_prior():
+    import torch
+    from ds_twocircuit.anchor.spectral import SpectralCorrection
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    inner = torch.optim.SGD([w], lr=1.0)
+    opt = SpectralCorrection(inner, {"w": w}, alpha=1.0, anchor_mix=0.5, ema_init="first")
+    anchor = torch.randn(6, 4)
+    opt.submit_anchor_gradients({"w": anchor}, 0)
+    g = torch.randn(6, 4)
+    w.grad = g.clone()
+    before = w.detach().clone()
+    opt.step(step=1)
+    expected = g + 0.5 * g.norm() / anchor.norm() * anchor     # alpha = 1: G_mask + mix * scaled prior
+    assert torch.allclose(before - w.detach(), expected, atol=1e-6)
+    import pytest
+    with pytest.raises(ValueError, match="anchor_mix"):
+        SpectralCorrection(torch.optim.SGD([w], lr=1.0), {"w": w}, anchor_mix=-1.0)

@@ -93,7 +93,7 @@ def wrap_optimizer(optimizer, module, plan):
     return SpectralCorrection(optimizer, targets, alpha=sc.alpha, tau=sc.tau, beta=sc.beta,
                               tau_mode=sc.tau_mode, svd=sc.svd,
                               svd_rank=(sc.svd_rank or None), topk_diag=sc.topk_diag,
-                              ema_init=sc.ema_init, seed=plan.args.seed)
+                              ema_init=sc.ema_init, anchor_mix=sc.anchor_mix, seed=plan.args.seed)
 
 
 class AnchorLink:

@@ -162,7 +162,8 @@ class SpectralCorrection(torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, targets: Mapping[str, torch.nn.Parameter], alpha: float = 0.3,
                  tau: float = 1e-3, beta: float = 0.95, tau_mode: str = "absolute", svd: str = "full",
                  svd_rank: Optional[int] = None, svd_oversample: int = 8, svd_niter: int = 2, topk_diag: int = 16,
-                 ema_init: str = "bias_corrected", seed: int = 0, diagnostics: bool = True) -> None:
+                 ema_init: str = "bias_corrected", seed: int = 0, diagnostics: bool = True,
+                 anchor_mix: float = 0.0) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
         if not 0.0 <= alpha <= 1.0:
@@ -185,6 +186,8 @@ class SpectralCorrection(torch.optim.Optimizer):
             raise ValueError(f"topk_diag must be >= 1, got {topk_diag}")
         if ema_init not in EMA_INITS:
             raise ValueError(f"ema_init must be one of {EMA_INITS}, got {ema_init!r}")
+        if not (anchor_mix >= 0.0 and math.isfinite(anchor_mix)):
+            raise ValueError(f"anchor_mix must be finite and >= 0, got {anchor_mix}")
         if not targets:
             raise ValueError("targets is empty")
         seen: dict[int, str] = {}
@@ -218,6 +221,7 @@ class SpectralCorrection(torch.optim.Optimizer):
         self.ema_init = ema_init
         self.seed = int(seed)
         self.diagnostics = bool(diagnostics)
+        self.anchor_mix = float(anchor_mix)
         self._reset_anchor_state()
         self._check_targets_in_param_groups()
 
@@ -369,7 +373,7 @@ class SpectralCorrection(torch.optim.Optimizer):
             G = g.float()           # the grad itself when fp32: read it before writing back
             d = filter_strengths(st.S, self.tau, self.tau_mode)
             k = min(self.topk_diag, st.numerical_rank)
-            if self.alpha == 1.0:
+            if self.alpha == 1.0 and self.anchor_mix == 0.0:
                 if self.diagnostics:
                     core_k = (st.U[:, :k].T @ G) @ st.V[:, :k]
                     rows.append(self._diagnostic_row(G, core_k, None, d))
@@ -377,6 +381,12 @@ class SpectralCorrection(torch.optim.Optimizer):
             core = (st.U.T @ G) @ st.V
             G_filt = (st.U @ (core * d[:, None] * d[None, :])) @ st.V.T
             G_use = G_filt.mul_(1.0 - self.alpha).add_(G, alpha=self.alpha)
+            if self.anchor_mix > 0.0:
+                # the anchor prior itself: the (stale) dense-gradient EMA, scaled to the masked
+                # gradient's norm, added with weight anchor_mix (an extension; 0 is the paper)
+                E = self._effective_ema(st.ema, st.arrivals)
+                scale = self.anchor_mix * torch.linalg.norm(G) / torch.linalg.norm(E).clamp_min(1e-30)
+                G_use.add_(E * scale)
             if self.diagnostics:
                 rows.append(self._diagnostic_row(G, core[:k, :k], G_use, d))
             g.copy_(G_use)
@@ -432,6 +442,7 @@ class SpectralCorrection(torch.optim.Optimizer):
         sd["spectral"] = {
             "format": _STATE_FORMAT,
             "config": {"alpha": self.alpha, "tau": self.tau, "beta": self.beta, "tau_mode": self.tau_mode,
+                       "anchor_mix": self.anchor_mix,
                        "svd": self.svd, "svd_rank": self.svd_rank, "svd_oversample": self.svd_oversample,
                        "svd_niter": self.svd_niter, "ema_init": self.ema_init, "seed": self.seed},
             "current_step": self.current_step,
