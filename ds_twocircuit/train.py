@@ -337,10 +337,15 @@ def run(argv=None) -> int:
     prepare_runtime()
     from .dist import init_world
     world = init_world(plan.anchor_ranks)
-    if world.role == "anchor":
-        from .anchor.circuit import run_anchor
-        return run_anchor(plan, world)
-    return run_fast(plan, world)
+    try:
+        if world.role == "anchor":
+            from .anchor.circuit import run_anchor
+            return run_anchor(plan, world)
+        return run_fast(plan, world)
+    except ConfigError as e:  # found after start-up (e.g. --resume): every rank finds the same
+        if world.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def run_fast(plan, world) -> int:
@@ -410,6 +415,7 @@ def run_fast(plan, world) -> int:
     bar = tqdm(total=args.steps, initial=start_step, desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}",
                unit="step", disable=not is_rank0, dynamic_ncols=True)
     losses = []
+    dp_comm = {"comm_s": 0.0, "hidden_comm_s": 0.0}
     t_start = time.perf_counter()
     hidden = plan.spec.hidden
     ckpt_dir = os.path.join(out_dir, "checkpoint")
@@ -427,6 +433,8 @@ def run_fast(plan, world) -> int:
         if not math.isfinite(loss):
             raise FloatingPointError(f"step {step}: training loss is {loss}")
         losses.append(loss)
+        for k in dp_comm:
+            dp_comm[k] += float(engine.step_stats.get(k, 0.0))
         if is_rank0:
             rec = {"step": step, "loss": loss, "tokens": tokens_per_step * (step + 1), "step_s": round(dt, 4),
                    "tokens_per_s": round(tokens_per_step / dt, 2),
@@ -465,6 +473,7 @@ def run_fast(plan, world) -> int:
 
     totals = _allreduce_wire(world)
     timing = {k: float(v) for k, v in engine.timing.items()}
+    timing.update({f"dp_{k}": v for k, v in dp_comm.items()})
     tvec = torch.tensor([timing[k] for k in sorted(timing)], dtype=torch.float64)
     if world.size > 1:
         torch.distributed.all_reduce(tvec)
@@ -490,6 +499,8 @@ def run_fast(plan, world) -> int:
             "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
             "dp_backend": tc.dp_config.backend,
             "dp_replicas_identical": replicas_identical,
+            "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3),
+                                    "hidden": round(timing["dp_hidden_comm_s"], 3)},
             "anchor": anchor_stats,
             "mask_rate": tc.effective_mask_rate,
             "kept_channels": (plan.spec.hidden if tc.mode == "dense"
