@@ -348,26 +348,17 @@ def run(argv=None) -> int:
         return 2
 
 
-def run_fast(plan, world) -> int:
-    import deepspeed
+def build_fast_engine(plan):
+    """The local pipeline stage, its optimizer (spectral correction when the anchor is on), the
+    MaskedPipelineEngine and its DP backend."""
     import torch
     from deepspeed.runtime.config import DeepSpeedConfig
-    from tqdm import tqdm
-
-    from . import wire
-    from .data import MicroBatchStream, PackedSequences
     from .dp.registry import get_backend
     from .engine import MaskedPipelineEngine
     from .models.pipe import build_pipeline
-    from transformers import AutoTokenizer
 
-    args, tc = plan.args, plan.tc
-    torch.manual_seed(args.seed)
-    is_rank0 = world.rank == 0
-    out_dir = plan.output_dir
-    if is_rank0:
-        os.makedirs(out_dir, exist_ok=True)
-
+    tc = plan.tc
+    torch.manual_seed(plan.args.seed)
     module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer(plan, trainable)
@@ -375,27 +366,83 @@ def run_fast(plan, world) -> int:
         from .anchor.circuit import wrap_optimizer
         optimizer = wrap_optimizer(optimizer, module, plan)
     mpu = module.mpu()
-    ds_conf = DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu)
     engine = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
-                                  mpu=mpu, config=copy.deepcopy(plan.ds_config), config_class=ds_conf)
+                                  mpu=mpu, config=copy.deepcopy(plan.ds_config),
+                                  config_class=DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu))
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     dp_group = engine.grid.get_data_parallel_group()
-    backend_cls = get_backend(tc.dp_config.backend)
-    dp_backend = backend_cls(named, dp_group if plan.dp > 1 else None, plan.dp,
-                             engine.grid.get_data_parallel_id(), tc.dp_config)
-    engine.pipeline_enable_backward_allreduce = False
-    mask_seed = tc.mask_seed if tc.mask_seed is not None else args.seed
-    engine.setup_twocircuit(tc, mask_seed, dp_backend)
+    dp_backend = get_backend(tc.dp_config.backend)(named, dp_group if plan.dp > 1 else None, plan.dp,
+                                                   engine.grid.get_data_parallel_id(), tc.dp_config)
+    engine.pipeline_enable_backward_allreduce = False  # the backend does the DP sync
+    engine.setup_twocircuit(tc, tc.mask_seed if tc.mask_seed is not None else plan.args.seed, dp_backend)
+    return engine, dp_backend
+
+
+class StepLog:
+    """metrics.jsonl and the progress bar (rank 0), plus per-rank DP comm totals."""
+
+    def __init__(self, plan, engine, link, is_rank0: bool, start_step: int):
+        from tqdm import tqdm
+        self.plan, self.engine, self.link, self.is_rank0 = plan, engine, link, is_rank0
+        self.tokens_per_step = plan.mb * plan.gas * plan.dp * plan.args.seq_len
+        self.losses: list[float] = []
+        self.dp_comm = {"comm_s": 0.0, "hidden_comm_s": 0.0}
+        self.f = open(os.path.join(plan.output_dir, "metrics.jsonl"), "a" if plan.args.resume else "w") \
+            if is_rank0 else None
+        self.bar = tqdm(total=plan.args.steps, initial=start_step, unit="step", disable=not is_rank0,
+                        desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}", dynamic_ncols=True)
+
+    def record(self, step, loss, dt, wire_delta, dp_s):
+        self.losses.append(loss)
+        for k in self.dp_comm:
+            self.dp_comm[k] += float(self.engine.step_stats.get(k, 0.0))
+        if not self.is_rank0:
+            return
+        rec = {"step": step, "loss": loss, "tokens": self.tokens_per_step * (step + 1), "step_s": round(dt, 4),
+               "tokens_per_s": round(self.tokens_per_step / dt, 2),
+               "mask_rate": round(1.0 - self.engine.keep_fraction(step, self.plan.spec.hidden), 6),
+               "lr": self.engine.get_lr()[0], "dp_s": round(dp_s, 5), "wire_bytes_rank0": wire_delta}
+        rec.update({f"dp.{k}": v for k, v in self.engine.step_stats.items() if k != "step"})
+        if self.link is not None:
+            rec.update(self.link.step_stats())
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens_per_step / dt:.0f}")
+        self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
+        if self.f is not None:
+            self.f.close()
+
+
+def run_fast(plan, world) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import wire
+    from .data import MicroBatchStream, PackedSequences
+
+    args, tc = plan.args, plan.tc
+    is_rank0 = world.rank == 0
+    out_dir = plan.output_dir
+    if is_rank0:
+        os.makedirs(out_dir, exist_ok=True)
+    engine, dp_backend = build_fast_engine(plan)
 
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
     train_seqs = PackedSequences(plan.train_docs, tok, args.seq_len, seed=args.seed, name=f"--data {args.data}")
     held_seqs = PackedSequences(plan.heldout_docs, tok, args.seq_len, shuffle=False,
                                 name=f"--data {args.data} (held-out)") if plan.heldout_docs else None
+    evaluate = held_seqs is not None and args.eval_sequences > 0
 
     start_step = 0
     if args.resume:
         from .checkpoint import load_training_state
         start_step = load_training_state(engine, args.resume)
+        if start_step >= args.steps:
+            raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for "
+                              f"--steps {args.steps}")
     link = None
     if tc.anchor.enabled:
         from .anchor.circuit import AnchorLink
@@ -403,61 +450,35 @@ def run_fast(plan, world) -> int:
     stream = MicroBatchStream(train_seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank, start_step=start_step)
 
     evals = {}
-    if held_seqs is not None and args.eval_sequences > 0:
+    if evaluate:
         evals["heldout_loss_first"] = _evaluate(engine, plan, held_seqs, masked=False)
         if tc.mode != "dense":
             evals["heldout_loss_masked_first"] = _evaluate(engine, plan, held_seqs, masked=True)
 
-    tokens_per_step = plan.mb * plan.gas * plan.dp * args.seq_len
-    if start_step >= args.steps:
-        raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for --steps {args.steps}")
-    metrics_f = open(os.path.join(out_dir, "metrics.jsonl"), "a" if args.resume else "w") if is_rank0 else None
-    bar = tqdm(total=args.steps, initial=start_step, desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}",
-               unit="step", disable=not is_rank0, dynamic_ncols=True)
-    losses = []
-    dp_comm = {"comm_s": 0.0, "hidden_comm_s": 0.0}
-    t_start = time.perf_counter()
-    hidden = plan.spec.hidden
+    log = StepLog(plan, engine, link, is_rank0, start_step)
     ckpt_dir = os.path.join(out_dir, "checkpoint")
+    t_start = time.perf_counter()
     for step in range(start_step, args.steps):
-        assert engine.global_steps == step
         t0 = time.perf_counter()
-        before = wire.totals()
-        dp_before = engine.timing["dp_s"]
+        before, dp_before = wire.totals(), engine.timing["dp_s"]
         if link is not None:
             link.maybe_publish(step)
             link.poll(step)
         loss = float(engine.train_batch(stream))
-        dt = time.perf_counter() - t0
-        after = wire.totals()
         if not math.isfinite(loss):
             raise FloatingPointError(f"step {step}: training loss is {loss}")
-        losses.append(loss)
-        for k in dp_comm:
-            dp_comm[k] += float(engine.step_stats.get(k, 0.0))
-        if is_rank0:
-            rec = {"step": step, "loss": loss, "tokens": tokens_per_step * (step + 1), "step_s": round(dt, 4),
-                   "tokens_per_s": round(tokens_per_step / dt, 2),
-                   "mask_rate": round(1.0 - engine.keep_fraction(step, hidden), 6),
-                   "lr": engine.get_lr()[0], "dp_s": round(engine.timing["dp_s"] - dp_before, 5),
-                   "wire_bytes_rank0": {k: after[k] - before[k] for k in after if after[k] != before[k]}}
-            rec.update({f"dp.{k}": v for k, v in engine.step_stats.items() if k != "step"})
-            if link is not None:
-                rec.update(link.step_stats())
-            metrics_f.write(json.dumps(rec) + "\n")
-            metrics_f.flush()
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
-            bar.update(1)
+        after = wire.totals()
+        log.record(step, loss, time.perf_counter() - t0,
+                   {k: after[k] - before[k] for k in after if after[k] != before[k]},
+                   engine.timing["dp_s"] - dp_before)
         if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
             from .checkpoint import save_training_state
             save_training_state(engine, ckpt_dir)
-    bar.close()
+    log.close()
     wall = time.perf_counter() - t_start
-    if is_rank0:
-        metrics_f.close()
 
     if args.save_checkpoint or args.save_interval:
-        # before the final flush: a run resumed from here continues exactly like this one would
+        # before the final DP flush: a run resumed from here continues exactly like this one would
         from .checkpoint import save_training_state
         save_training_state(engine, ckpt_dir)
     if dp_backend.finalize():  # finish in-flight DiLoCo syncs; one final average of the replicas
@@ -465,53 +486,22 @@ def run_fast(plan, world) -> int:
                        "(the saved model is the agreed one)")
     replicas_identical = _replicas_identical(engine, plan)
     anchor_stats = link.finish() if link is not None else None
-
-    if held_seqs is not None and args.eval_sequences > 0:
+    if evaluate:
         evals["heldout_loss"] = _evaluate(engine, plan, held_seqs, masked=False)
         if tc.mode != "dense":
             evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
 
     totals = _allreduce_wire(world)
     timing = {k: float(v) for k, v in engine.timing.items()}
-    timing.update({f"dp_{k}": v for k, v in dp_comm.items()})
+    timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
     tvec = torch.tensor([timing[k] for k in sorted(timing)], dtype=torch.float64)
     if world.size > 1:
         torch.distributed.all_reduce(tvec)
-    timing = {k: v for k, v in zip(sorted(timing), tvec.tolist())}
-
+    timing = dict(zip(sorted(timing), tvec.tolist()))
     state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
     if is_rank0:
-        steps_run = args.steps - start_step
-        tokens = tokens_per_step * steps_run
-        wire_bytes = {"pp_activations": totals["pp_activations"], "pp_gradients": totals["pp_gradients"],
-                      "pp_handshake": totals["pp_handshake"], "pp_tied": totals["pp_tied"],
-                      "dp": totals["dp"], "anchor": totals["anchor"]}
-        eval_bytes = totals["pp_eval"]
-        summary = {
-            "config": {"file": args.config, "twocircuit": tc.to_dict(), "model": args.model,
-                       "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
-                       "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
-                       "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
-                       "mask_seed": mask_seed},
-            "steps": steps_run, "first_step": start_step, "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 3),
-            "loss_first": losses[0], "loss_last": losses[-1],
-            "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
-            "dp_backend": tc.dp_config.backend,
-            "dp_replicas_identical": replicas_identical,
-            "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3),
-                                    "hidden": round(timing["dp_hidden_comm_s"], 3)},
-            "anchor": anchor_stats,
-            "mask_rate": tc.effective_mask_rate,
-            "kept_channels": (plan.spec.hidden if tc.mode == "dense"
-                              else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),
-            "hidden_size": plan.spec.hidden,
-            "wire_bytes": wire_bytes,
-            "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
-            "eval_wire_bytes": eval_bytes,
-            "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
-            **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},
-        }
+        summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
+                           anchor_stats)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
             summary["hf_folder"] = os.path.join(out_dir, "hf")
@@ -520,6 +510,38 @@ def run_fast(plan, world) -> int:
         print_summary(summary, out_dir)
     torch.distributed.barrier()
     return 0
+
+
+def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats):
+    args, tc = plan.args, plan.tc
+    steps_run = args.steps - start_step
+    tokens = log.tokens_per_step * steps_run
+    wire_bytes = {k: totals[k] for k in ("pp_activations", "pp_gradients", "pp_handshake", "pp_tied", "dp",
+                                          "anchor")}
+    return {
+        "config": {"file": args.config, "twocircuit": tc.to_dict(), "model": args.model,
+                   "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
+                   "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
+                   "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
+                   "mask_seed": engine.mask_seed},
+        "steps": steps_run, "first_step": start_step, "tokens": tokens, "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 3),
+        "loss_first": log.losses[0], "loss_last": log.losses[-1],
+        "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
+        "dp_backend": tc.dp_config.backend,
+        "dp_replicas_identical": replicas_identical,
+        "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3), "hidden": round(timing["dp_hidden_comm_s"], 3)},
+        "anchor": anchor_stats,
+        "mask_rate": tc.effective_mask_rate,
+        "kept_channels": (plan.spec.hidden if tc.mode == "dense"
+                          else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),
+        "hidden_size": plan.spec.hidden,
+        "wire_bytes": wire_bytes,
+        "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
+        "eval_wire_bytes": totals["pp_eval"],
+        "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
+        **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},
+    }
 
 
 def _fmt_bytes(n: float) -> str:

@@ -115,3 +115,22 @@ def test_windows_nll_matches_direct_cross_entropy(tiny):
         hf = sum(float(model(w[None], labels=w[None]).loss) * 39 for w in windows)  # float32 loss
     assert total == pytest.approx(want, rel=1e-12)
     assert total == pytest.approx(hf, rel=1e-6)
+
+
+def test_rows_joining_a_running_batch_decode_like_single_rows(tiny, monkeypatch):
+    """Stop strings end rows at different steps; waiting prompts join the running batch with
+    left-padded cache rows and the common padding is trimmed: same text as batch size 1."""
+    import eval.generation as G
+    model, tok = tiny
+    merges = []
+    real_merge = G._merge
+    monkeypatch.setattr(G, "_merge", lambda *a: merges.append(1) or real_merge(*a))
+    prompts = [p + str(i) for i in range(4) for p in PROMPTS]  # 24 prompts of varied length
+    s = SamplingSettings(max_new_tokens=20)
+    stop = ["?", "W", "\x1b", "f"]  # frequent in its outputs: rows finish at different steps
+    batched = generate(model, tok, prompts, s, stop=stop, batch_size=6, progress=False)
+    single = generate(model, tok, prompts, s, stop=stop, batch_size=1, progress=False)
+    assert [b.text for b in batched] == [x.text for x in single]
+    assert [b.finish for b in batched] == [x.finish for x in single]
+    assert len({b.new_tokens for b in batched}) >= 3
+    assert len(merges) >= 2  # prompts really joined running batches

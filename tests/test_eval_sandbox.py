@@ -218,3 +218,8 @@ def test_sigterm_handler_in_program_does_not_prevent_kill(sandbox):
     assert sandbox.run_check(prog).status == "timed out"
     _assert_no_leftovers()
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+
+
+def test_long_output_keeps_the_pass_marker(sandbox):
+    r = sandbox.run_check("for i in range(20000):\n    print('line', i)\n")
+    assert r.status == "passed" and "bytes omitted" in r.stdout and "line 19999" in r.stdout
