@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main():
     import torch
     from ds_twocircuit import masks
-    from ds_twocircuit.codec import Message, RandomMaskCodec, TopKCodec, make_codec
+    from ds_twocircuit.codec import Message, RandomMaskCodec, make_codec
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
