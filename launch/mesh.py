@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""Run a training launch over an emulated slow mesh on one Linux machine.
+
+Every rank runs in its own network namespace ("node"), joined to the others by a bridge, with a
+kernel-enforced bandwidth cap on every directed link (HTB). The ranks rendezvous exactly as on a
+multi-node cluster (MASTER_ADDR = rank 0's address, one process per node), so what crosses the
+links is what would cross a real network. After the run, the kernel's own byte counters per
+directed link are written next to the run's summary (``mesh.json``): a check of the project's
+byte accounting against the kernel's, TCP/IP and gloo framing included.
+
+    sudo python launch/mesh.py --ranks 2 --mbit 200 -- launch/train.py --deepspeed ds_configs/m95.json --output-dir runs/m95_mesh
+    python launch/mesh.py --ranks 4 --mbit 200 --link 0-1:50 -- launch/train.py --deepspeed ds_configs/m95_dp.json --pp 2 --dp 2
+
+Needs root (network namespaces) and iproute2 (``ip``, ``tc``). Namespaces get a unique prefix per
+run and are always removed, also when the run fails or is interrupted. Traffic only flows between
+the namespaces this run created: there is no route out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBNET = "10.77.0"
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def burst(mbit: float) -> int:
+    """HTB bucket: about 10 ms of traffic, at least 256 KiB (smaller under-shoots fast links)."""
+    return max(262144, int(mbit * 1e6 / 8 / 100))
+
+
+class Mesh:
+    def __init__(self, ranks: int, mbit: float, links: dict[tuple[int, int], float]):
+        self.n, self.mbit, self.links = ranks, mbit, links
+        self.prefix = f"tcm{os.getpid() % 100000}x"
+        self.up_done = False
+
+    def ns(self, i) -> str:
+        return f"{self.prefix}{i}"
+
+    def rate(self, i, j) -> float:
+        return self.links.get((i, j), self.mbit)
+
+    def up(self):
+        sw = f"{self.prefix}sw"
+        sh("ip", "netns", "add", sw)
+        self.up_done = True
+        sh("ip", "-n", sw, "link", "set", "lo", "up")
+        sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", sw, "link", "set", "br0", "up")
+        for i in range(self.n):
+            ns = self.ns(i)
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")  # a rank reaches its own address via lo
+            sh("ip", "link", "add", f"{self.prefix}v{i}", "netns", ns, "type", "veth", "peer", "name", f"p{i}",
+               "netns", sw)
+            sh("ip", "-n", ns, "link", "set", f"{self.prefix}v{i}", "name", "eth0")
+            sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", sw, "link", "set", f"p{i}", "master", "br0")
+            sh("ip", "-n", sw, "link", "set", f"p{i}", "up")
+            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+            sh("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate",
+               "10gbit", "burst", "1mb", "cburst", "1mb", "quantum", "60000")
+            for j in range(self.n):
+                if j == i:
+                    continue
+                r, b = self.rate(i, j), burst(self.rate(i, j))
+                sh("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{10 + j}", "htb",
+                   "rate", f"{r}mbit", "ceil", f"{r}mbit", "burst", str(b), "cburst", str(b), "quantum", "60000")
+                sh("tc", "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
+                   "u32", "match", "ip", "dst", f"{SUBNET}.{j + 1}/32", "flowid", f"1:{10 + j}")
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes the kernel sent on each directed link (IP packets, headers included)."""
+        out = {}
+        for i in range(self.n):
+            text = sh("tc", "-n", self.ns(i), "-s", "class", "show", "dev", "eth0").stdout
+            for m in re.finditer(r"class htb 1:(\d+) .*?\n\s*Sent (\d+) bytes", text):
+                cls, sent = int(m.group(1)), int(m.group(2))
+                if cls >= 10:
+                    out[f"{i}->{cls - 10}"] = sent
+        return out
+
+    def down(self):
+        if not self.up_done:
+            return
+        for i in range(self.n):
+            sh("ip", "netns", "del", self.ns(i), check=False)
+        sh("ip", "netns", "del", f"{self.prefix}sw", check=False)
+
+
+def parse_links(specs) -> dict[tuple[int, int], float]:
+    links = {}
+    for s in specs or []:
+        m = re.fullmatch(r"(\d+)-(\d+):([\d.]+)", s)
+        if not m:
+            sys.exit(f"error: --link {s!r}: expected I-J:MBIT, e.g. 0-1:50")
+        links[(int(m.group(1)), int(m.group(2)))] = float(m.group(3))
+    return links
+
+
+def output_dir_of(argv) -> str | None:
+    for k, a in enumerate(argv):
+        if a == "--output-dir" and k + 1 < len(argv):
+            return argv[k + 1]
+        if a.startswith("--output-dir="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        sys.exit("usage: mesh.py --ranks N [--mbit M] [--link I-J:MBIT ...] -- SCRIPT [ARGS...]")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="launch/mesh.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, required=True, help="processes (one per emulated node)")
+    p.add_argument("--mbit", type=float, default=200.0, help="cap of every directed link (default 200)")
+    p.add_argument("--link", action="append", help="per-link cap I-J:MBIT (repeatable)")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous port on rank 0's address")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds before the run is stopped")
+    args = p.parse_args(argv[:cut])
+    script = argv[cut + 1:]
+    if not script:
+        sys.exit("error: nothing to run after --")
+    if os.geteuid() != 0:
+        sys.exit("error: network namespaces need root (run with sudo), or run without the mesh")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            sys.exit(f"error: '{tool}' not found: install iproute2")
+    if args.ranks < 1:
+        sys.exit("error: --ranks must be >= 1")
+    mesh = Mesh(args.ranks, args.mbit, parse_links(args.link))
+    procs = []
+    t0 = time.time()
+    rc = 1
+    try:
+        mesh.up()
+        cores = os.cpu_count() or 1
+        for i in range(args.ranks):
+            env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(args.ranks), LOCAL_RANK="0", LOCAL_SIZE="1",
+                       MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(args.port), GLOO_SOCKET_IFNAME="eth0",
+                       PYTHONUNBUFFERED="1")
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.ranks)))
+            cmd = ["ip", "netns", "exec", mesh.ns(i), sys.executable, *script]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                                          stdout=None if i == 0 else subprocess.DEVNULL,
+                                          stderr=None if i == 0 else subprocess.PIPE, text=True))
+        deadline = time.time() + args.timeout
+        while any(pr.poll() is None for pr in procs):
+            if time.time() > deadline or any(pr.poll() not in (None, 0) for pr in procs):
+                break
+            time.sleep(0.5)
+        codes = [pr.poll() for pr in procs]
+        rc = 0 if all(c == 0 for c in codes) else 1
+        if rc:
+            for k, pr in enumerate(procs):
+                if pr.poll() not in (None, 0) and k > 0 and pr.stderr:
+                    sys.stderr.write(f"--- rank {k} (exit {pr.poll()}):\n{pr.stderr.read()[-3000:]}\n")
+            sys.stderr.write(f"mesh: run failed (exit codes {codes})\n")
+        links = mesh.link_bytes()
+        out = output_dir_of(script)
+        report = {"ranks": args.ranks, "mbit": args.mbit, "links_mbit": {f"{i}->{j}": r for (i, j), r in
+                                                                        mesh.links.items()},
+                  "kernel_bytes": links, "kernel_bytes_total": sum(links.values()),
+                  "wall_s": round(time.time() - t0, 2), "command": " ".join(["python", "launch/mesh.py", *argv])}
+        if out and os.path.isdir(out):
+            with open(os.path.join(out, "mesh.json"), "w") as f:
+                json.dump(report, f, indent=2)
+        print(f"mesh: kernel bytes per link {links} (total {sum(links.values()):,})", flush=True)
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                try:
+                    os.killpg(pr.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pr in procs:
+            try:
+                pr.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        mesh.down()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
