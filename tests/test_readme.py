@@ -31,9 +31,10 @@ def test_readme_has_the_two_commands_and_ci_runs_the_test_one():
 def test_readme_main_job_adapts_the_default_model(tmp_path):
     run_cmd, _ = _commands()
     launch = shlex.split(run_cmd.split("&&")[-1])
-    assert launch[:3] == ["deepspeed", "--num_gpus", "2"]
+    assert launch[:4] == ["deepspeed", "--num_gpus", "2", "launch/train.py"]
     out = str(tmp_path / "m95")
-    deepspeed_launch(2, launch[3:] + ["--output-dir", out], timeout=1500)
+    # deepspeed_launch supplies the launcher and the script; pass the README's own arguments
+    deepspeed_launch(2, launch[4:] + ["--output-dir", out], timeout=1500)
     s = read_summary(out)
     assert s["config"]["model"] == "smollm2-135m" and s["mesh"] == {**s["mesh"], "pp": 2, "dp": 1}
     assert s["steps"] == 30 and s["tokens"] == 30 * 8 * 128
