@@ -481,9 +481,14 @@ def run_fast(plan, world) -> int:
         # before the final DP flush: a run resumed from here continues exactly like this one would
         from .checkpoint import save_training_state
         save_training_state(engine, ckpt_dir)
-    if dp_backend.finalize():  # finish in-flight DiLoCo syncs; one final average of the replicas
-        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and replicas averaged once "
-                       "(the saved model is the agreed one)")
+    dp_before_final = wire.totals()["dp"]
+    if dp_backend.finalize():  # finish in-flight DiLoCo syncs; one last sync of drifted fragments
+        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and drifted fragments synced "
+                       "once more (the saved model is the agreed one)")
+    final_vec = torch.tensor([float(wire.totals()["dp"] - dp_before_final)], dtype=torch.float64)
+    if world.size > 1:
+        torch.distributed.all_reduce(final_vec)
+    dp_final_bytes = int(final_vec.item())
     replicas_identical = _replicas_identical(engine, plan)
     anchor_stats = link.finish() if link is not None else None
     if evaluate:
@@ -501,7 +506,7 @@ def run_fast(plan, world) -> int:
     state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
-                           anchor_stats)
+                           anchor_stats, dp_final_bytes)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
             summary["hf_folder"] = os.path.join(out_dir, "hf")
@@ -512,7 +517,8 @@ def run_fast(plan, world) -> int:
     return 0
 
 
-def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats):
+def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats,
+             dp_final_bytes=0):
     args, tc = plan.args, plan.tc
     steps_run = args.steps - start_step
     tokens = log.tokens_per_step * steps_run
@@ -530,6 +536,8 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
         "dp_backend": tc.dp_config.backend,
         "dp_replicas_identical": replicas_identical,
+        # included in wire_bytes.dp: the end-of-run sync that makes the replicas agree (DiLoCo)
+        "dp_final_sync_bytes": dp_final_bytes,
         "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3), "hidden": round(timing["dp_hidden_comm_s"], 3)},
         "anchor": anchor_stats,
         "mask_rate": tc.effective_mask_rate,

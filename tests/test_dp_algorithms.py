@@ -150,12 +150,20 @@ def _sc_streaming(rank, world):
         stats.append(rec[0][2])
         snaps.append([p.detach().clone() for p in m.parameters()])
     out["plain"] = {"stats": stats, "fragments": b.fragments, "params": snaps}
+    # end of training: only the fragments that drifted since their last sync are synced again
+    out["plain"]["finalize_changed"] = b.finalize()
+    out["plain"]["final_stats"] = b.pop_step_stats()
+    out["plain"]["final"] = [p.detach().clone() for p in m.parameters()]
+    out["plain"]["final_backup"] = [t.clone() for t in b.backup]
     m, opt, b = _make({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
                        "overlap_steps": 1}, rank, world)
     rec = []
     _train(m, opt, b, rank, range(12), rec)
     out["overlap"] = {"stats": [r[2] for r in rec], "backup": [t.clone() for t in b.backup],
                       "params": [p.detach().clone() for p in m.parameters()]}
+    out["overlap"]["finalize_changed"] = b.finalize()
+    out["overlap"]["final_stats"] = b.pop_step_stats()
+    out["overlap"]["final"] = [p.detach().clone() for p in m.parameters()]
     return out
 
 
@@ -398,6 +406,29 @@ def test_streaming_fragment_syncs_two_ranks(dist_suite):
     comm = sum(st["comm_s"] for st in ov0["stats"])
     hidden = sum(st["hidden_comm_s"] for st in ov0["stats"])
     assert 0 < hidden <= comm + 1e-9
+
+
+@pytest.mark.multiproc
+def test_streaming_finalize_syncs_only_drifted_fragments(dist_suite):
+    r0, r1 = _get(dist_suite, "streaming")
+    p0, p1 = r0["plain"], r1["plain"]
+    frags = p0["fragments"]
+    # 20 steps, H=6, F=3: fragment 1 synced after the last step (19), fragments 0 (17) and 2 (15)
+    # took local steps since: only those two are synced again, each at its regular sync size
+    assert p0["finalize_changed"] is True
+    assert p0["final_stats"]["final_synced_fragments"] == [0, 2]
+    frag_bytes = {f: p0["stats"][s]["bytes_sent"] for f, s in ((0, 17), (2, 15))}
+    assert p0["final_stats"]["bytes_sent"] == frag_bytes[0] + frag_bytes[2]
+    assert p0["final_stats"]["bytes_sent"] < sum(st["bytes_sent"] for st in p0["stats"][12:18])
+    for i in frags[1]:   # untouched by finalize
+        assert torch.equal(p0["final"][i], p0["params"][-1][i])
+    assert all(torch.equal(a, b) for a, b in zip(p0["final"], p1["final"]))   # replicas agree
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(p0["final"], p0["final_backup"]))
+    # overlap: the in-flight sync is finished (merged), then every fragment is synced once more
+    o0, o1 = r0["overlap"], r1["overlap"]
+    assert o0["final_stats"]["completed_fragments"] == [0]
+    assert o0["final_stats"]["final_synced_fragments"] == [0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(o0["final"], o1["final"]))
 
 
 def test_split_fragments_balanced_contiguous():

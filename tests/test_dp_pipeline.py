@@ -70,6 +70,10 @@ def test_diloco_syncs_every_h_steps_and_ends_identical(runs):
     sent = [r.get("wire_bytes_rank0", {}).get("dp", 0) for r in m]
     assert [i for i, b in enumerate(sent) if b] == [2, 5]     # after steps H-1 and 2H-1
     assert s["dp_replicas_identical"] is True
+    # the last step was a sync: nothing more to send at the end; 2 syncs of the whole model
+    a = read_summary(runs["allreduce"])
+    assert s["dp_final_sync_bytes"] == 0
+    assert s["wire_bytes"]["dp"] == a["wire_bytes"]["dp"] // 6 * 2
 
 
 def test_streaming_diloco_staggers_fragments(runs):
@@ -80,6 +84,10 @@ def test_streaming_diloco_staggers_fragments(runs):
     assert all(not synced[i] for i in (0, 1, 2, 4))
     s = read_summary(runs["streaming_diloco"])
     assert s["dp_replicas_identical"] is True                 # flushed at the end
+    # with overlap the last in-flight sync is merged, so both fragments are synced once more at
+    # the end, compressed like every other sync: far less than one dense all-reduce of the model
+    dense_step = read_summary(runs["allreduce"])["wire_bytes"]["dp"] // 6
+    assert 0 < s["dp_final_sync_bytes"] < dense_step / 3
     assert s["wire_bytes"]["dp"] < read_summary(runs["allreduce"])["wire_bytes"]["dp"] / 5
 
 

@@ -97,6 +97,9 @@ class DiLoCo(DPBackend):
         self.compressor = PowerSGDCompressor(c.powersgd) if c.compression == "powersgd" else None
         self.pending: dict[int, _Sync] = {}
         self.last_step = -1
+        # fragments whose live weights may differ between replicas (local steps since their last
+        # sync, or a merge after an overlapped sync); finalize() syncs only these
+        self.dirty = [False] * self.num_fragments
 
     def _setup_streaming(self, c) -> None:
         self.num_fragments, self.overlap, self.overlap_steps, self.merge_alpha = 1, False, 0, 0.0
@@ -127,6 +130,7 @@ class DiLoCo(DPBackend):
             raise ValueError(f"after_optimizer_step({step}) after step {self.last_step}: "
                              "steps must increase")
         self.last_step = step
+        self.dirty = [True] * self.num_fragments  # this step's local update touched every fragment
         changed, done, launched = False, [], []
         for f in sorted(self.pending):
             if self.pending[f].due <= step:
@@ -156,6 +160,24 @@ class DiLoCo(DPBackend):
             self._step_stats.setdefault("completed_fragments", []).extend(done)
         return bool(done)
 
+    def finalize(self) -> bool:
+        """End of training: finish in-flight syncs, then one last outer sync (same compression,
+        no overlap, no merge) of each fragment that took local steps since its last sync, so that
+        every replica holds and saves the agreed weights (the backup). Fragments synced on the
+        last step cost nothing; the others cost one regular fragment sync each, not a dense
+        all-reduce of the whole model."""
+        changed = self.flush()
+        if self.world_size <= 1:
+            return changed
+        final = [f for f in range(self.num_fragments) if self.dirty[f]]
+        for f in final:
+            self._finish(self._launch(f, self.last_step, async_op=False), merge=False)
+        if final:
+            self._step_stats["final_synced_fragments"] = final
+            if self.compressor is not None:
+                self._step_stats.update(self.compressor.pop_stats())
+        return changed or bool(final)
+
     def reset_backup(self) -> None:
         """Restart the outer optimizer from the live parameters (e.g. after loading plain model
         weights without backend state): backup := params, momentum and PowerSGD state cleared.
@@ -170,7 +192,7 @@ class DiLoCo(DPBackend):
             self.compressor = PowerSGDCompressor(self.cfg.powersgd)
 
     # --- the algorithm ----------------------------------------------------------------------
-    def _launch(self, f: int, step: int) -> _Sync:
+    def _launch(self, f: int, step: int, async_op: bool | None = None) -> _Sync:
         idx = self.fragments[f]
         names = [self.names[i] for i in idx]
         deltas = [self.backup[i] - self.params[i].detach().to(torch.float32) for i in idx]
@@ -178,12 +200,12 @@ class DiLoCo(DPBackend):
         if self.compressor is not None:
             dense = step < self.cfg.powersgd.start_powerSGD_iter
             rnd = self.compressor.start(deltas, names, self.comm, dense=dense,
-                                        async_op=self.overlap)
+                                        async_op=self.overlap if async_op is None else async_op)
         else:
-            rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
+            rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap if async_op is None else async_op)
         return _Sync(f, step, step + self.overlap_steps, deltas, rnd)
 
-    def _finish(self, sync: _Sync) -> None:
+    def _finish(self, sync: _Sync, merge: bool = True) -> None:
         sync.round.finish()  # deltas now hold the DP-averaged pseudo-gradient
         c, mu = self.cfg, self.cfg.outer_momentum
         with torch.no_grad():
@@ -194,10 +216,12 @@ class DiLoCo(DPBackend):
                     g = g.add(buf, alpha=mu) if c.nesterov else buf
                 b.sub_(g, alpha=c.outer_lr)
                 p = self.params[i]
-                if self.overlap and self.merge_alpha > 0:
+                if merge and self.overlap and self.merge_alpha > 0:
                     p.copy_(torch.lerp(b, p.to(torch.float32), self.merge_alpha))
                 else:
                     p.copy_(b)
+        # replicas agree on this fragment iff it was overwritten by the backup
+        self.dirty[sync.fragment] = merge and self.overlap and self.merge_alpha > 0
 
     # --- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -214,6 +238,7 @@ class DiLoCo(DPBackend):
             "compressor": None if self.compressor is None else self.compressor.state_dict(),
             "fragments": [[self.names[i] for i in frag] for frag in self.fragments],
             "inner_steps": self.inner_steps, "last_step": self.last_step, "pending": pending,
+            "dirty": list(self.dirty),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -235,6 +260,7 @@ class DiLoCo(DPBackend):
             dev = self.backup[0].device if self.backup else None
             self.compressor.load_state_dict(sd["compressor"], device=dev)
         self.last_step = int(sd["last_step"])
+        self.dirty = [bool(d) for d in sd.get("dirty", [self.last_step >= 0] * self.num_fragments)]
         self.pending = {}
         for rec in sd["pending"]:
             f = rec["fragment"]
