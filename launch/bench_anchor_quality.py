@@ -51,6 +51,11 @@ VARIANTS = {
     "m95_ap_mix": dict(mode="random", p=0.95, ap=dict(every=20, alpha=0.3, tau=0.05, tau_mode="relative", mix=0.5)),
     "m95_ap_mix_k5": dict(mode="random", p=0.95, ap=dict(every=5, alpha=0.3, tau=0.05, tau_mode="relative", mix=0.5)),
     "m90_ap_rel_a0_k5": dict(mode="random", p=0.90, ap=dict(every=5, alpha=0.0, tau=0.05, tau_mode="relative")),
+    # the mask rate ramped linearly from 0 to 0.95 over the first 40 steps (MaskSchedule.ramp_steps),
+    # alone and with the anchors (their early gradients then come from a nearly dense regime)
+    "m95_ramp40": dict(mode="random", p=0.95, ramp=40),
+    "m95_ramp40_ap": dict(mode="random", p=0.95, ramp=40,
+                          ap=dict(every=20, alpha=0.3, tau=1e-3, tau_mode="absolute")),
 }
 
 
@@ -103,7 +108,8 @@ def run_variant(name, args):
     folder = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     untie_head(model)
-    masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed)
+    masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed,
+                            warmup_steps=v.get("warmup", 0), ramp_steps=v.get("ramp", 0))
     tok = AutoTokenizer.from_pretrained(folder)
     train, held = split_documents(load_documents("stdlib"))
     seqs = PackedSequences(train, tok, args.seq_len, seed=args.seed)
@@ -202,6 +208,7 @@ def report(args):
         json.dump(out, f, indent=2)
     print(json.dumps([{k: v[k] for k in ("variant", "heldout_loss", "heldout_loss_masked", "tokens")}
                       for v in out["variants"]], indent=1))
+    _write_table(out, args.results.replace(".jsonl", ".md"))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -221,6 +228,29 @@ def report(args):
         fig.savefig(args.results.replace(".jsonl", ".png"), dpi=110)
     except ImportError:
         pass
+
+
+TABLE_BEGIN, TABLE_END = "<!-- table: written by --report -->", "<!-- end of table -->"
+
+
+def _write_table(out, md_path):
+    """Replace the table between the markers of the Markdown note (the prose around it is kept)."""
+    from benchnotes import write_section  # launch/, next to this script
+    def fmt(x):
+        return "-" if x is None else f"{x:.3f}"
+    lines = ["",
+             "| variant | held-out loss, dense inference | held-out loss, masked inference (step 0) | train loss (last 10) "
+             "| cos(masked, dense grad) | filter effect | tokens | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in out["variants"]:
+        cos = v["cos_mask_dense"]
+        lines.append(f"| `{v['variant']}` | {fmt(v['heldout_loss'])} | {fmt(v['heldout_loss_masked'])}"
+                     + (f" ({fmt(v['heldout_loss_masked_start'])})" if v["heldout_loss_masked_start"] else "") +
+                     f" | {fmt(v['train_loss_last10'])} | {fmt(sum(cos) / len(cos)) if cos else '-'} "
+                     f"| {fmt(v['mean_filter_effect'])} | {v['tokens']:,} | {v['wall_s']:.0f} |")
+    lines += ["", f"Start (step 0, every variant): dense inference {fmt(out['variants'][0]['heldout_loss_start'])}."
+              if out["variants"] else "", ""]
+    write_section(md_path, TABLE_BEGIN, TABLE_END, lines, "Anchor quality")
 
 
 def main():

@@ -72,6 +72,9 @@ def main():
             "backend": name, "dp_config": BACKENDS[name],
             "bytes_per_token": s["bytes_per_token"],
             "dp_bytes_per_token": round(s["wire_bytes"]["dp"] / s["tokens"], 3),
+            # the end-of-run sync that makes DiLoCo replicas agree is included above; without it:
+            "dp_final_sync_bytes": s["dp_final_sync_bytes"],
+            "dp_bytes_per_token_training": round((s["wire_bytes"]["dp"] - s["dp_final_sync_bytes"]) / s["tokens"], 3),
             "loss": s["heldout_loss"], "heldout_loss_first": s["heldout_loss_first"],
             "train_loss_last5": round(sum(r["loss"] for r in rows[-5:]) / 5, 4),
             "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
@@ -90,10 +93,31 @@ def main():
            "command": command}
     os.makedirs(OUT, exist_ok=True)
     json.dump(res, open(os.path.join(OUT, "dp.json"), "w"), indent=2)
+    _write_table(res, os.path.join(OUT, "dp.md"))
     for e in entries:
         print(f"{e['backend']:>28}: dp bytes/token {e['dp_bytes_per_token']:>12,.1f} "
               f"({e['dp_bytes_reduction_vs_allreduce']}x less), held-out loss {e['loss']:.4f} "
               f"({100 * e['loss_vs_allreduce']:+.2f}%)")
+
+
+TABLE_BEGIN, TABLE_END = "<!-- table: written by launch/bench_dp.py -->", "<!-- end of table -->"
+
+
+def _write_table(res, md_path):
+    """Replace the table between the markers of the Markdown note (the prose around it is kept)."""
+    from benchnotes import write_section  # launch/, next to this script
+    lines = ["",
+             "| backend | DP bytes/token | x fewer than all-reduce | DP bytes/token, training only "
+             "| held-out loss | vs all-reduce | tokens/s (CPU) | replicas identical at end |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in res["entries"]:
+        lines.append(f"| `{e['backend']}` | {e['dp_bytes_per_token']:,.0f} | {e['dp_bytes_reduction_vs_allreduce']} "
+                     f"| {e['dp_bytes_per_token_training']:,.0f} | {e['loss']:.4f} "
+                     f"| {100 * e['loss_vs_allreduce']:+.2f}% | {e['tokens_per_s']:.0f} "
+                     f"| {e['replicas_identical_at_end']} |")
+    lines += ["", f"{res['steps']} steps, {res['entries'][0]['tokens']:,} tokens per run, held-out loss before "
+              f"training {res['entries'][0]['heldout_loss_first']:.4f}. Command: `{res['command']}`", ""]
+    write_section(md_path, TABLE_BEGIN, TABLE_END, lines, "DP compression")
 
 
 if __name__ == "__main__":
