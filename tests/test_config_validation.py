@@ -33,6 +33,21 @@ def test_shipped_configs_validate(tmp_path):
         assert plan.ds_config["train_batch_size"] == plan.mb * plan.gas
 
 
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".json")))
+def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name):
+    dp = 2 if name.endswith("_dp") else 1
+    z = 1 if "_ap" in name else 0
+    argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
+    if z:
+        argv += ["--anchor-replicas", "1"]
+    plan = _plan(tmp_path, argv, world=2 * dp + 2 * z)
+    assert (plan.pp, plan.dp, plan.z) == (2, dp, z)
+    expected_p = {"dense": 0.0, "m90": 0.90, "m95": 0.95, "topk90": 0.90}[name.split("_")[0]]
+    assert plan.tc.mask_rate == pytest.approx(expected_p) or (expected_p == 0.0 and plan.tc.mode == "dense")
+    assert plan.tc.anchor.enabled == bool(z)
+    assert (plan.tc.dp_config.backend != "allreduce") == name.endswith("_dp")
+
+
 @pytest.mark.parametrize("rate", [1.0, -0.1, 1.5])
 def test_mask_rate_outside_range(tmp_path, rate):
     with pytest.raises(ConfigError, match=r"twocircuit\.mask_rate .*\[0\.0, 1\.0\)"):
