@@ -214,11 +214,11 @@ def report(args):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for v in out["variants"]:
-            steps = [c["step"] for c in v["curve"]]
-            axes[0].plot(steps, [c["dense"] for c in v["curve"]], marker="o", label=v["variant"])
+        for i, v in enumerate(out["variants"]):  # one colour per variant on both panels
+            steps, style = [c["step"] for c in v["curve"]], dict(marker="o", color=f"C{i % 10}", label=v["variant"])
+            axes[0].plot(steps, [c["dense"] for c in v["curve"]], **style)
             if v["heldout_loss_masked"] is not None:
-                axes[1].plot(steps, [c["masked"] for c in v["curve"]], marker="o", label=v["variant"])
+                axes[1].plot(steps, [c["masked"] for c in v["curve"]], **style)
         axes[0].set_title("held-out loss, dense inference")
         axes[1].set_title("held-out loss, masked inference")
         for ax in axes:
