@@ -423,6 +423,12 @@ def test_streaming_finalize_syncs_only_drifted_fragments(dist_suite):
     for i in frags[1]:   # untouched by finalize
         assert torch.equal(p0["final"][i], p0["params"][-1][i])
     assert all(torch.equal(a, b) for a, b in zip(p0["final"], p1["final"]))   # replicas agree
+    # the last sync takes no outer step: a drifted fragment becomes the replicas' average
+    for f in (0, 2):
+        for i in frags[f]:
+            mean = (p0["params"][-1][i] + p1["params"][-1][i]) / 2
+            assert torch.allclose(p0["final"][i], mean, atol=1e-6), (f, i)
+            assert not torch.allclose(p0["final"][i], p0["params"][-1][i], atol=1e-6)
     assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(p0["final"], p0["final_backup"]))
     # overlap: the in-flight sync is finished (merged), then every fragment is synced once more
     o0, o1 = r0["overlap"], r1["overlap"]

@@ -161,17 +161,21 @@ class DiLoCo(DPBackend):
         return bool(done)
 
     def finalize(self) -> bool:
-        """End of training: finish in-flight syncs, then one last outer sync (same compression,
-        no overlap, no merge) of each fragment that took local steps since its last sync, so that
-        every replica holds and saves the agreed weights (the backup). Fragments synced on the
-        last step cost nothing; the others cost one regular fragment sync each, not a dense
-        all-reduce of the whole model."""
+        """End of training: finish in-flight syncs, then one last sync of each fragment that took
+        local steps since its last sync, so that every replica holds and saves the same model.
+
+        The last sync sends the pseudo-gradient with the run's compression (no overlap) but does
+        not take an outer optimizer step: the fragment becomes ``backup - mean(backup - local)``,
+        i.e. the replicas' average (up to compression error). An outer Nesterov step here would
+        extrapolate past the replicas (measured on SmolLM2: +5% held-out loss after 40 steps),
+        and there is no later step to correct it. Fragments synced on the last step cost nothing;
+        the others cost one regular, compressed fragment sync each."""
         changed = self.flush()
         if self.world_size <= 1:
             return changed
         final = [f for f in range(self.num_fragments) if self.dirty[f]]
         for f in final:
-            self._finish(self._launch(f, self.last_step, async_op=False), merge=False)
+            self._finish(self._launch(f, self.last_step, async_op=False), merge=False, outer=False)
         if final:
             self._step_stats["final_synced_fragments"] = final
             if self.compressor is not None:
@@ -205,16 +209,21 @@ class DiLoCo(DPBackend):
             rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap if async_op is None else async_op)
         return _Sync(f, step, step + self.overlap_steps, deltas, rnd)
 
-    def _finish(self, sync: _Sync, merge: bool = True) -> None:
+    def _finish(self, sync: _Sync, merge: bool = True, outer: bool = True) -> None:
+        """Apply a reduced sync: outer optimizer step on the backup (``outer=False``: the backup
+        just takes the averaged pseudo-gradient, lr 1, no momentum), then the live weights."""
         sync.round.finish()  # deltas now hold the DP-averaged pseudo-gradient
         c, mu = self.cfg, self.cfg.outer_momentum
         with torch.no_grad():
             for i, g in zip(self.fragments[sync.fragment], sync.deltas):
                 b = self.backup[i]
-                if self.momentum is not None:
-                    buf = self.momentum[i].mul_(mu).add_(g)
-                    g = g.add(buf, alpha=mu) if c.nesterov else buf
-                b.sub_(g, alpha=c.outer_lr)
+                if not outer:
+                    b.sub_(g)
+                else:
+                    if self.momentum is not None:
+                        buf = self.momentum[i].mul_(mu).add_(g)
+                        g = g.add(buf, alpha=mu) if c.nesterov else buf
+                    b.sub_(g, alpha=c.outer_lr)
                 p = self.params[i]
                 if merge and self.overlap and self.merge_alpha > 0:
                     p.copy_(torch.lerp(b, p.to(torch.float32), self.merge_alpha))
