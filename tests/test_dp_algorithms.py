@@ -414,7 +414,7 @@ def test_streaming_finalize_syncs_only_drifted_fragments(dist_suite):
     p0, p1 = r0["plain"], r1["plain"]
     frags = p0["fragments"]
     # 20 steps, H=6, F=3: fragment 1 synced after the last step (19), fragments 0 (17) and 2 (15)
-    # took local steps since: only those two are synced again, each at its regular sync size
+    # took local steps since: only those two are averaged again (uncompressed, as in this run)
     assert p0["finalize_changed"] is True
     assert p0["final_stats"]["final_synced_fragments"] == [0, 2]
     frag_bytes = {f: p0["stats"][s]["bytes_sent"] for f, s in ((0, 17), (2, 15))}
@@ -423,7 +423,7 @@ def test_streaming_finalize_syncs_only_drifted_fragments(dist_suite):
     for i in frags[1]:   # untouched by finalize
         assert torch.equal(p0["final"][i], p0["params"][-1][i])
     assert all(torch.equal(a, b) for a, b in zip(p0["final"], p1["final"]))   # replicas agree
-    # the last sync takes no outer step: a drifted fragment becomes the replicas' average
+    # the last sync is an exact average (no compression, no outer step)
     for f in (0, 2):
         for i in frags[f]:
             mean = (p0["params"][-1][i] + p1["params"][-1][i]) / 2
