@@ -307,12 +307,13 @@ def _replicas_identical(engine, plan) -> bool | None:
     return bool(flag.item() == 1.0)
 
 
-def _allreduce_wire(world):
-    """Sum every rank's byte counters (all kinds) over the circuit's world."""
+def _allreduce_wire(world, extra: dict | None = None):
+    """Sum every rank's byte counters (all kinds, plus any ``extra`` per-rank counts) over the
+    circuit's world, in one collective."""
     import torch
     import torch.distributed as dist
     from . import wire
-    t = wire.totals()
+    t = {**wire.totals(), **(extra or {})}
     kinds = list(t)
     vec = torch.tensor([t[k] for k in kinds], dtype=torch.float64)
     if world.size > 1:
@@ -482,13 +483,10 @@ def run_fast(plan, world) -> int:
         from .checkpoint import save_training_state
         save_training_state(engine, ckpt_dir)
     dp_before_final = wire.totals()["dp"]
-    if dp_backend.finalize():  # finish in-flight DiLoCo syncs; one last sync of drifted fragments
-        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and drifted fragments synced "
-                       "once more (the saved model is the agreed one)")
-    final_vec = torch.tensor([float(wire.totals()["dp"] - dp_before_final)], dtype=torch.float64)
-    if world.size > 1:
-        torch.distributed.all_reduce(final_vec)
-    dp_final_bytes = int(final_vec.item())
+    if dp_backend.finalize():  # finish in-flight DiLoCo syncs; average the drifted fragments once
+        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and drifted weights averaged "
+                       "once (the saved model is the replicas' average)")
+    dp_final_local = wire.totals()["dp"] - dp_before_final
     replicas_identical = _replicas_identical(engine, plan)
     anchor_stats = link.finish() if link is not None else None
     if evaluate:
@@ -496,7 +494,8 @@ def run_fast(plan, world) -> int:
         if tc.mode != "dense":
             evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
 
-    totals = _allreduce_wire(world)
+    totals = _allreduce_wire(world, {"dp_final_sync": dp_final_local})
+    dp_final_bytes = totals.pop("dp_final_sync")
     timing = {k: float(v) for k, v in engine.timing.items()}
     timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
     tvec = torch.tensor([timing[k] for k in sorted(timing)], dtype=torch.float64)

@@ -83,12 +83,11 @@ def main():
             "command": " ".join(shlex.quote(a) for a in ["deepspeed"] + run[1:]).replace(work, "runs/bench_dp"),
         })
     ref = next(e for e in entries if e["backend"] == "allreduce")
+    def reduction(e, key):  # x fewer bytes than the all-reduce run
+        return round(ref[key] / e[key], 2) if e[key] else None
     for e in entries:
-        e["dp_bytes_reduction_vs_allreduce"] = round(ref["dp_bytes_per_token"] / e["dp_bytes_per_token"], 2) \
-            if e["dp_bytes_per_token"] else None
-        e["dp_bytes_reduction_training_vs_allreduce"] = round(
-            ref["dp_bytes_per_token_training"] / e["dp_bytes_per_token_training"], 2) \
-            if e["dp_bytes_per_token_training"] else None
+        e["dp_bytes_reduction_vs_allreduce"] = reduction(e, "dp_bytes_per_token")
+        e["dp_bytes_reduction_training_vs_allreduce"] = reduction(e, "dp_bytes_per_token_training")
         e["loss_vs_allreduce"] = round(e["loss"] / ref["loss"] - 1.0, 5)
     res = {"benchmark": "dp", "model": args.model, "mesh": {"pp": 1, "dp": 2}, "steps": args.steps,
            "entries": entries, "targets": {"powersgd+streaming_diloco": ">= 50x fewer DP bytes per token than "

@@ -42,8 +42,10 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
         argv += ["--anchor-replicas", "1"]
     plan = _plan(tmp_path, argv, world=2 * dp + 2 * z)
     assert (plan.pp, plan.dp, plan.z) == (2, dp, z)
-    expected_p = {"dense": 0.0, "m90": 0.90, "m95": 0.95, "topk90": 0.90}[name.split("_")[0]]
-    assert plan.tc.mask_rate == pytest.approx(expected_p) or (expected_p == 0.0 and plan.tc.mode == "dense")
+    mode, p = {"dense": ("dense", None), "m90": ("random", 0.90), "m95": ("random", 0.95),
+               "topk90": ("topk", 0.90)}[name.split("_")[0]]
+    assert plan.tc.mode == mode
+    assert plan.tc.effective_mask_rate == (0.0 if p is None else pytest.approx(p))
     assert plan.tc.anchor.enabled == bool(z)
     assert (plan.tc.dp_config.backend != "allreduce") == name.endswith("_dp")
 
