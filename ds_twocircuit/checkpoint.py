@@ -39,6 +39,8 @@ def save_training_state(engine, ckpt_dir: str) -> str:
         "dp_backend": backend.state_dict() if backend is not None else None,
         "module": engine.module.state_dict() if getattr(backend, "replicas_may_differ", False) else None,
         "rng": torch.get_rng_state(),
+        "codec": ({"out": engine.codec_out.state_dict(), "in": engine.codec_in.state_dict()}
+                  if getattr(engine.codec_out, "stateful", False) else None),
     }
     tmp = path + ".tmp"
     torch.save(state, tmp)
@@ -92,6 +94,9 @@ def load_training_state(engine, ckpt_dir: str) -> int:
     if engine.dp_backend is not None and state["dp_backend"] is not None:
         engine.dp_backend.load_state_dict(state["dp_backend"])
     torch.set_rng_state(state["rng"])
+    if state.get("codec") is not None and getattr(engine.codec_out, "stateful", False):
+        engine.codec_out.load_state_dict(state["codec"]["out"])
+        engine.codec_in.load_state_dict(state["codec"]["in"])
     if engine.global_steps != state["global_steps"]:
         raise ConfigError(f"--resume: DeepSpeed restored step {engine.global_steps} but "
                           f"{STATE_DIR} state is from step {state['global_steps']}")

@@ -32,6 +32,8 @@ class Message:
     shape: tuple      # full tensor shape (..., H)
     keep: int         # kept channels per token (== H means dense)
     scale: float = 1.0  # 1/(1-p) when rescaling, else 1
+    refresh: bool = False  # stateful codecs: this activation message carries new codec state
+    train: bool = True     # a training message (stateful codecs measure only these)
 
     @property
     def hidden(self) -> int:
@@ -47,6 +49,7 @@ class Message:
 
 class DenseCodec:
     name = "dense"
+    stateful = False
 
     def __init__(self, wire_dtype=None):
         self.wire_dtype = wire_dtype
@@ -192,8 +195,17 @@ class TopKCodec(DenseCodec):
 
 
 CODECS = {"dense": DenseCodec, "random": RandomMaskCodec, "topk": TopKCodec}
+STATEFUL = ("meanfill", "lowrank")
 
 
-def make_codec(mode: str, wire_dtype: str | None):
+def make_codec(mode: str, wire_dtype: str | None, codec_cfg=None):
+    """``codec_cfg``: the ``twocircuit.codec`` section (groups, refresh schedule) for the stateful
+    codecs ``meanfill`` and ``lowrank`` (``statecodecs.py``)."""
     dt = None if wire_dtype in (None, "auto") else WIRE_DTYPES[wire_dtype]
+    if mode in STATEFUL:
+        from .statecodecs import LowRankCodec, MeanFillCodec, RefreshSchedule
+        refresh = RefreshSchedule(getattr(codec_cfg, "refresh_steps", (0,)), getattr(codec_cfg, "refresh_every", 0))
+        if mode == "meanfill":
+            return MeanFillCodec(wire_dtype=dt, refresh=refresh)
+        return LowRankCodec(wire_dtype=dt, groups=getattr(codec_cfg, "groups", ((16, 8), (184, 4))), refresh=refresh)
     return CODECS[mode](wire_dtype=dt)

@@ -116,8 +116,34 @@ class AnchorConfig:
 
 
 @dataclass
+class CodecConfig:
+    """State of the ``meanfill`` and ``lowrank`` codecs (``statecodecs.py``)."""
+    groups: list = field(default_factory=lambda: [[16, 8], [184, 4]])  # lowrank: [count, bits] of
+                                    # the coefficients, leading principal directions first
+    refresh_steps: list = field(default_factory=lambda: [0, 1, 3])  # steps whose first message ships
+                                    # new state (mean / basis) fitted on everything the sender saw
+    refresh_every: int = 0          # and every N steps after the last listed one (0: never)
+
+    def validate(self, p):
+        from .statecodecs import check_groups
+        try:
+            check_groups(self.groups, key=f"{p}.groups")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if (not isinstance(self.refresh_steps, list) or not self.refresh_steps
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.refresh_steps)):
+            raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
+                              f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
+        _range(self.refresh_every, 0, 1 << 30, f"{p}.refresh_every")
+
+
+CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")
+
+
+@dataclass
 class TwoCircuitConfig:
-    mode: str = "random"            # random (the method) | topk (ablation) | dense (stock)
+    mode: str = "random"            # random (the method) | topk (ablation) | dense (stock) |
+                                    # meanfill | lowrank (codecs with state, see statecodecs.py)
     mask_rate: float = 0.95         # p: fraction of channels dropped at each boundary
     rescale: bool = False           # multiply kept values by 1/(1-p) (off: the paper)
     warmup_steps: int = 0           # dense steps before masking starts
@@ -127,10 +153,14 @@ class TwoCircuitConfig:
     partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
     dp: dict = field(default_factory=dict)
+    codec: CodecConfig = field(default_factory=CodecConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
     def validate(self, p="twocircuit"):
-        _choice(self.mode, ("random", "topk", "dense"), f"{p}.mode")
+        _choice(self.mode, CODEC_MODES, f"{p}.mode")
+        if self.mode == "lowrank" and (self.warmup_steps or self.ramp_steps or self.rescale):
+            raise ConfigError(f"{p}.warmup_steps / ramp_steps / rescale act on the PRF mask; they do not "
+                              f"apply to {p}.mode = 'lowrank' (set them to 0 / false)")
         _range(self.mask_rate, 0.0, 1.0, f"{p}.mask_rate", hi_open=True)
         _range(self.warmup_steps, 0, 1 << 30, f"{p}.warmup_steps")
         _range(self.ramp_steps, 0, 1 << 30, f"{p}.ramp_steps")
@@ -149,12 +179,13 @@ class TwoCircuitConfig:
 
     @property
     def effective_mask_rate(self) -> float:
-        return 0.0 if self.mode == "dense" else self.mask_rate
+        return 0.0 if self.mode in ("dense", "lowrank") else self.mask_rate
 
     @classmethod
     def from_dict(cls, d: dict | None, prefix: str = "twocircuit") -> "TwoCircuitConfig":
         d = dict(d or {})
         anchor = d.pop("anchor", None)
+        codec = d.pop("codec", None)
         spectral = (anchor or {}).get("spectral") if isinstance(anchor, dict) else None
         if anchor is not None:
             _check_keys(anchor, {f.name for f in dataclasses.fields(AnchorConfig)}, f"{prefix}.anchor")
@@ -164,6 +195,7 @@ class TwoCircuitConfig:
         if "dp" in d and not isinstance(d["dp"], dict):
             raise ConfigError(f"{prefix}.dp must be a JSON object")
         obj = _from_dict(cls, d, prefix)
+        obj.codec = _from_dict(CodecConfig, codec, f"{prefix}.codec")
         obj.anchor = _from_dict(AnchorConfig, anchor, f"{prefix}.anchor")
         obj.anchor.spectral = _from_dict(SpectralConfig, spectral, f"{prefix}.anchor.spectral")
         return obj

@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from . import masks, wire
-from .codec import Message, make_codec
+from .codec import DenseCodec, Message, make_codec
 
 EVAL_STEP_OFFSET = 1 << 40  # eval_batch keys live apart from training keys
 META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
@@ -32,7 +32,10 @@ class MaskedPipelineEngine(PipelineEngine):
     def setup_twocircuit(self, tc, mask_seed: int, dp_backend=None):
         self.tc = tc
         self.mask_seed = int(mask_seed)
-        self.codec = make_codec(tc.mode, tc.wire_dtype)
+        # one codec per link end: a middle stage receives on one link and sends on another, and a
+        # stateful codec's state (mean, basis) belongs to one link
+        self.codec_out = make_codec(tc.mode, tc.wire_dtype, tc.codec)   # activations out, gradients in
+        self.codec_in = make_codec(tc.mode, tc.wire_dtype, tc.codec)    # activations in, gradients out
         self.schedule_p = masks.MaskSchedule(tc.effective_mask_rate, tc.warmup_steps, tc.ramp_steps)
         self.dp_backend = dp_backend
         self.dp_rank = self.grid.get_data_parallel_id()
@@ -49,20 +52,25 @@ class MaskedPipelineEngine(PipelineEngine):
         micro = self.dp_rank * self.micro_batches + n
         hidden = int(shape[-1])
         sched_step = self._key_step % EVAL_STEP_OFFSET
-        keep = hidden if self.tc.mode == "dense" else self.schedule_p.keep(sched_step, hidden)
+        keep = hidden if self.tc.mode in ("dense", "lowrank") else self.schedule_p.keep(sched_step, hidden)
         scale = 1.0
         if self.tc.rescale and keep < hidden:
             scale = 1.0 / (1.0 - self.schedule_p.rate(sched_step))
         key = masks.mask_key(self.mask_seed, boundary, self._key_step, micro, hidden)
-        return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep, scale=scale)
+        # stateful codecs: the first activation message of a refresh step carries new state
+        refresh = (self.codec_out.stateful and not self._evaluating and n == 0 and kind.startswith("act")
+                   and self.codec_out.refresh.due(sched_step))
+        return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep, scale=scale,
+                       refresh=bool(refresh), train=not self._evaluating)
 
     def _begin(self, key_step: int):
         self._key_step = key_step
         self._counters = {}
-        self.codec.reset()
+        self.codec_out.reset()
+        self.codec_in.reset()
 
     def keep_fraction(self, step: int, hidden: int) -> float:
-        if self.tc.mode == "dense":
+        if self.tc.mode in ("dense", "lowrank"):
             return 1.0
         return self.schedule_p.keep(step, hidden) / hidden
 
@@ -75,13 +83,19 @@ class MaskedPipelineEngine(PipelineEngine):
         self.step_stats["step"] = step
         return out
 
-    def eval_batch(self, data_iter, **kw):
+    def eval_batch(self, data_iter, dense: bool = False, **kw):
+        """``dense=True``: uncoded boundaries (how a user scores the trained model); else through
+        the run's codec (how the mesh serves it). The codec's state is left untouched."""
+        coded = self.codec_out, self.codec_in
+        if dense:
+            self.codec_out, self.codec_in = DenseCodec(coded[0].wire_dtype), DenseCodec(coded[1].wire_dtype)
         self._begin(EVAL_STEP_OFFSET + self.global_steps)
         self._evaluating = True
         try:
             return super().eval_batch(data_iter, **kw)
         finally:
             self._evaluating = False
+            self.codec_out, self.codec_in = coded
 
     # ------------------------------------------------------------------ boundary instructions
     def _send(self, tensors, stage, kind):
@@ -100,21 +114,24 @@ class MaskedPipelineEngine(PipelineEngine):
             self._send_tensor_meta(outputs, self.next_stage)
             wire.count("pp_eval" if self._evaluating else "pp_handshake", META_BYTES)
         msg = self._message("act_send", self.stage_id, outputs.shape)
+        n_state = self.codec_out.state_tensor_count(msg) if self.codec_out.stateful else 0
         t0 = time.perf_counter()
-        payload = self.codec.pack_activation(outputs, msg)
+        payload = self.codec_out.pack_activation(outputs, msg)
         self.timing["codec_s"] += time.perf_counter() - t0
-        self._send(payload, self.next_stage, "pp_activations")
+        if n_state:  # mean / basis of a stateful codec, counted apart
+            self._send(payload[:n_state], self.next_stage, "pp_codec_state")
+        self._send(payload[n_state:], self.next_stage, "pp_activations")
 
     def _exec_recv_activations(self, buffer_id):
         if self.pipe_recv_buf is None:
             self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
         ref = self.pipe_recv_buf
         msg = self._message("act_recv", self.stage_id - 1, ref.shape)
-        bufs = self.codec.activation_buffers(msg, ref.dtype, ref.device)
+        bufs = self.codec_in.activation_buffers(msg, ref.dtype, ref.device)
         for b in bufs:
             p2p.recv(b, self.prev_stage)
         t0 = time.perf_counter()
-        x = self.codec.unpack_activation(bufs, msg, ref.dtype)
+        x = self.codec_in.unpack_activation(bufs, msg, ref.dtype)
         self.timing["codec_s"] += time.perf_counter() - t0
         x = x.detach().contiguous()
         x.requires_grad = x.is_floating_point()
@@ -125,8 +142,8 @@ class MaskedPipelineEngine(PipelineEngine):
         assert inputs.grad is not None, "boundary input received no gradient"
         msg = self._message("grad_send", self.stage_id - 1, inputs.shape)
         t0 = time.perf_counter()
-        payload = self.codec.pack_gradient(inputs.grad, msg)
-        self.codec.forget(msg)
+        payload = self.codec_in.pack_gradient(inputs.grad, msg)
+        self.codec_in.forget(msg)
         self.timing["codec_s"] += time.perf_counter() - t0
         self._send(payload, self.prev_stage, "pp_gradients")
         self.pipe_buffers["inputs"][buffer_id] = None
@@ -134,12 +151,12 @@ class MaskedPipelineEngine(PipelineEngine):
     def _exec_recv_grads(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         msg = self._message("grad_recv", self.stage_id, outputs.shape)
-        bufs = self.codec.gradient_buffers(msg, outputs.dtype, outputs.device)
+        bufs = self.codec_out.gradient_buffers(msg, outputs.dtype, outputs.device)
         for b in bufs:
             p2p.recv(b, self.next_stage)
         t0 = time.perf_counter()
-        self.grad_layer = self.codec.unpack_gradient(bufs, msg, outputs.dtype)
-        self.codec.forget(msg)
+        self.grad_layer = self.codec_out.unpack_gradient(bufs, msg, outputs.dtype)
+        self.codec_out.forget(msg)
         self.timing["codec_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ compute timing

@@ -35,6 +35,25 @@ def _wire_cast(x, dtype):
     return x if dtype is None or dtype == x.dtype else _WireCast.apply(x, dtype)
 
 
+class _CodecLink(torch.autograd.Function):
+    """One boundary through a (sender, receiver) pair of codec objects, exactly as the engine runs
+    it across two processes: the activation is packed by the sender and unpacked by the receiver,
+    the gradient packed by the receiver and unpacked by the sender."""
+
+    @staticmethod
+    def forward(ctx, x, pair, msg):
+        send, recv = pair
+        bufs = [b.clone() for b in send.pack_activation(x, msg)]
+        ctx.pair, ctx.msg = pair, msg
+        return recv.unpack_activation(bufs, msg, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        send, recv = ctx.pair
+        bufs = [b.clone() for b in recv.pack_gradient(g.contiguous(), ctx.msg)]
+        return send.unpack_gradient(bufs, ctx.msg, g.dtype), None, None
+
+
 class BoundaryMasker:
     """Forward hooks that mask each pipeline boundary of ``model`` in the graph.
 
@@ -43,7 +62,8 @@ class BoundaryMasker:
 
     def __init__(self, model, num_stages: int, mode: str = "random", mask_rate: float = 0.95,
                  seed: int = 0, partition: str = "balanced", warmup_steps: int = 0, ramp_steps: int = 0,
-                 rescale: bool = False, wire_dtype: str = "auto", parts: list[int] | None = None):
+                 rescale: bool = False, wire_dtype: str = "auto", parts: list[int] | None = None,
+                 codec_cfg=None, gas: int = 1):
         cfg = model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self.parts = list(parts) if parts is not None else model_parts(model, num_stages, partition)
@@ -52,6 +72,11 @@ class BoundaryMasker:
         self.wire_dtype = None if wire_dtype in (None, "auto") else WIRE_DTYPES[wire_dtype]
         self.step, self.micro = 0, 0
         self.enabled = True
+        # stateful codecs (meanfill, lowrank): a (sender, receiver) codec pair per boundary and DP
+        # replica, fed the same message sequence as the engine's; ``gas`` tells the first message
+        # of a replica's step (micro-batch index = replica x gas + local index)
+        self.codec_cfg, self.gas, self._pairs = codec_cfg, int(gas), {}
+        self.wire_dtype_name = wire_dtype
 
         class _Spec:
             num_layers = self.num_layers
@@ -72,7 +97,36 @@ class BoundaryMasker:
             return (h, *output[1:]) if isinstance(output, tuple) else h
         return hook
 
+    def _pair(self, boundary: int, replica: int):
+        from .codec import make_codec
+        key = (boundary, replica)
+        if key not in self._pairs:
+            self._pairs[key] = tuple(make_codec(self.mode, self.wire_dtype_name, self.codec_cfg) for _ in range(2))
+        return self._pairs[key]
+
+    def _apply_stateful(self, h: torch.Tensor, boundary: int) -> torch.Tensor:
+        from .codec import Message
+        from .engine import EVAL_STEP_OFFSET
+        H = h.shape[-1]
+        train = self.step < EVAL_STEP_OFFSET
+        replica = self.micro // self.gas if train else 0
+        pair = self._pair(boundary, replica)
+        keep = H if self.mode == "lowrank" else self.schedule.keep(self.step % EVAL_STEP_OFFSET, H)
+        scale = 1.0
+        if self.rescale and keep < H:
+            scale = 1.0 / (1.0 - self.schedule.rate(self.step))
+        msg = Message(key=masks.mask_key(self.seed, boundary, self.step, self.micro, H),
+                      shape=tuple(h.shape), keep=keep, scale=scale, train=train,
+                      refresh=train and self.micro % self.gas == 0 and pair[0].refresh.due(self.step))
+        return _CodecLink.apply(h, pair, msg)
+
+    def codec_state_bytes(self) -> int:
+        """Bytes of codec state the senders have shipped so far (all boundaries and replicas)."""
+        return sum(p[0].state_bytes_sent for p in self._pairs.values())
+
     def apply(self, h: torch.Tensor, boundary: int) -> torch.Tensor:
+        if self.mode in ("meanfill", "lowrank"):
+            return self._apply_stateful(h, boundary)
         H = h.shape[-1]
         keep = H if self.mode == "dense" else self.schedule.keep(self.step, H)
         if keep < H:

@@ -230,14 +230,8 @@ def _evaluate(engine, plan, seqs, masked: bool) -> float | None:
     from .data import MicroBatchStream
     per_call = plan.mb * plan.gas * plan.dp
     calls = max(1, plan.args.eval_sequences // per_call)
-    saved_mode = engine.tc.mode
-    if not masked:
-        engine.tc.mode = "dense"
-    try:
-        it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
-        losses = [float(engine.eval_batch(it)) for _ in range(calls)]
-    finally:
-        engine.tc.mode = saved_mode
+    it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
+    losses = [float(engine.eval_batch(it, dense=not masked)) for _ in range(calls)]
     return sum(losses) / len(losses)
 
 
@@ -521,8 +515,8 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
     args, tc = plan.args, plan.tc
     steps_run = args.steps - start_step
     tokens = log.tokens_per_step * steps_run
-    wire_bytes = {k: totals[k] for k in ("pp_activations", "pp_gradients", "pp_handshake", "pp_tied", "dp",
-                                          "anchor")}
+    wire_bytes = {k: totals[k] for k in ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake",
+                                          "pp_tied", "dp", "anchor")}
     return {
         "config": {"file": args.config, "twocircuit": tc.to_dict(), "model": args.model,
                    "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
@@ -540,7 +534,9 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3), "hidden": round(timing["dp_hidden_comm_s"], 3)},
         "anchor": anchor_stats,
         "mask_rate": tc.effective_mask_rate,
-        "kept_channels": (plan.spec.hidden if tc.mode == "dense"
+        "codec": ({"mode": tc.mode, "rank": engine.codec_out.rank, "bytes_per_token": engine.codec_out.bytes_per_token()}
+                  if tc.mode == "lowrank" else {"mode": tc.mode}),
+        "kept_channels": (plan.spec.hidden if tc.mode in ("dense", "lowrank")
                           else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),
         "hidden_size": plan.spec.hidden,
         "wire_bytes": wire_bytes,
@@ -574,9 +570,12 @@ def print_summary(s: dict, out_dir: str) -> None:
         if "heldout_loss_masked" in s:
             ho += f"; masked inference {s.get('heldout_loss_masked_first', float('nan')):.4f} -> {s['heldout_loss_masked']:.4f}"
         lines.append(ho)
+    codec = s.get("codec") or {}
     lines += [
-        f"mask rate {s['mask_rate']} ({s['kept_channels']} of {s['hidden_size']} channels kept per token), "
-        f"mode {s['config']['twocircuit']['mode']}",
+        (f"codec lowrank: rank {codec['rank']}, {codec['bytes_per_token']} bytes per token each way "
+         f"(mean and basis shipped on refresh, counted as pp_codec_state)" if codec.get("mode") == "lowrank" else
+         f"mask rate {s['mask_rate']} ({s['kept_channels']} of {s['hidden_size']} channels kept per token), "
+         f"mode {s['config']['twocircuit']['mode']}"),
         "wire bytes: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in wb.items()),
         f"bytes per token: {s['bytes_per_token']:.1f}",
         f"outputs: {out_dir}/summary.json, {out_dir}/metrics.jsonl"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -258,18 +257,8 @@ def main():
     if args.report:
         report(args)
         return
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    cmd = "python launch/bench_anchor_quality.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    for name in args.variants.split(","):
-        if name not in VARIANTS:
-            sys.exit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-    for name in args.variants.split(","):
-        rec = run_variant(name, args)
-        rec["command"] = cmd.replace(f"--variants {args.variants}", f"--variants {name}") \
-            if "--variants" in cmd else cmd + f" --variants {name}"
-        os.makedirs(os.path.dirname(args.results), exist_ok=True)
-        with open(args.results, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    from benchnotes import run_variants  # launch/, next to this script
+    run_variants("launch/bench_anchor_quality.py", args, VARIANTS, run_variant)
 
 
 if __name__ == "__main__":

@@ -20,3 +20,25 @@ def write_section(md_path: str, begin: str, end: str, lines: list[str], title: s
         text = text.rstrip() + "\n\n" + section + "\n"
     with open(md_path, "w") as f:
         f.write(text)
+
+
+def run_variants(script: str, args, variants: dict, run_variant) -> None:
+    """Run each of ``args.variants`` (comma-separated names of ``variants``) with ``run_variant(name,
+    args)`` and append its record, with the exact command, to ``args.results`` (one JSON line each,
+    written as soon as the variant ends: nothing is lost if a later one fails)."""
+    import json
+    import shlex
+    import sys
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    cmd = f"python {script} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    names = args.variants.split(",")
+    for name in names:
+        if name not in variants:
+            sys.exit(f"unknown variant {name!r}; known: {', '.join(variants)}")
+    for name in names:
+        rec = run_variant(name, args)
+        rec["command"] = cmd.replace(f"--variants {args.variants}", f"--variants {name}") \
+            if "--variants" in cmd else cmd + f" --variants {name}"
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "a") as f:
+            f.write(json.dumps(rec) + "\n")

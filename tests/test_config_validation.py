@@ -43,7 +43,8 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
     plan = _plan(tmp_path, argv, world=2 * dp + 2 * z)
     assert (plan.pp, plan.dp, plan.z) == (2, dp, z)
     mode, p = {"dense": ("dense", None), "m90": ("random", 0.90), "m95": ("random", 0.95),
-               "topk90": ("topk", 0.90)}[name.split("_")[0]]
+               "topk90": ("topk", 0.90), "lowrank": ("lowrank", None),
+               "meanfill95": ("meanfill", 0.95)}[name.split("_")[0]]
     assert plan.tc.mode == mode
     assert plan.tc.effective_mask_rate == (0.0 if p is None else pytest.approx(p))
     assert plan.tc.anchor.enabled == bool(z)

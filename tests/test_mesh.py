@@ -21,7 +21,7 @@ def test_kernel_counts_what_the_project_counts(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = read_summary(out)
     mesh = json.load(open(os.path.join(out, "mesh.json")))
-    ours_fwd = s["wire_bytes"]["pp_activations"] + s["wire_bytes"]["pp_handshake"]
+    ours_fwd = s["wire_bytes"]["pp_activations"] + s["wire_bytes"]["pp_handshake"] + s["wire_bytes"]["pp_codec_state"]
     ours_bwd = s["wire_bytes"]["pp_gradients"]
     assert ours_fwd > 2_000_000
     for link, ours in (("0->1", ours_fwd), ("1->0", ours_bwd)):

@@ -34,10 +34,13 @@ def reference(cfg, pp, dp, steps=STEPS, seed=0):
     tc = cfg["twocircuit"]
     if tc.get("tied_embeddings", "untie") == "untie":
         untie_head(model)
+    from ds_twocircuit.config import CodecConfig
     masker = BoundaryMasker(model, pp, mode=tc["mode"], mask_rate=tc["mask_rate"], seed=seed,
                             partition=tc.get("partition", "type"), rescale=tc.get("rescale", False),
                             warmup_steps=tc.get("warmup_steps", 0), ramp_steps=tc.get("ramp_steps", 0),
-                            wire_dtype=tc.get("wire_dtype", "auto"))
+                            wire_dtype=tc.get("wire_dtype", "auto"),
+                            codec_cfg=CodecConfig(**tc["codec"]) if tc.get("codec") else None,
+                            gas=cfg["gradient_accumulation_steps"])
     opt_cfg = cfg["optimizer"]["params"]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg["optimizer"]["type"] == "SGD":

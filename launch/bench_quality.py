@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Quality at the same boundary bytes: which codec (and correction) adapts the model best.
+
+Every variant trains SmolLM2-135M-Instruct on the same data order, seed and number of tokens
+(8 x 128 tokens a step, AdamW lr 1e-4, betas 0.9/0.95, clip 1.0, one boundary as in the default
+2-stage pipeline) and scores the same held-out sequences with dense inference (how a user scores
+the checkpoint) and through the codec (how the mesh serves it). It runs the single-process
+equivalent of the pipeline: the HF model with the engine's codec in its graph at the boundary
+(``ds_twocircuit.reference.BoundaryMasker``; ``tests/test_pipeline_equivalence.py`` and
+``tests/test_statecodecs_pipeline.py`` show it equals the multi-process engine, byte for byte).
+
+PP bytes are those the engine sends for the same tokens: coefficient/value payloads both ways plus
+every byte of codec state (mean, basis) the sender shipped. ``pp_bytes_ratio`` = dense bytes /
+variant bytes.
+
+    python launch/bench_quality.py --variants dense,m95,lowrank --steps 120
+    python launch/bench_quality.py --report   # docs/benchmarks/quality.{json,md,png}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "benchmarks", "quality.jsonl")
+
+LOWRANK = {"groups": [[16, 8], [184, 4]], "refresh_steps": [0, 1, 3], "refresh_every": 0}
+# name -> (mode, mask_rate, codec section, correction)
+VARIANTS = {
+    "dense": dict(mode="dense", p=0.0),
+    "m95": dict(mode="random", p=0.95),                       # the paper's codec (zero fill)
+    "m95_meanfill": dict(mode="meanfill", p=0.95, codec=dict(LOWRANK, refresh_every=10)),
+    "lowrank": dict(mode="lowrank", p=0.0, codec=LOWRANK),   # 200 coefficients: 16 x int8 + 184 x int4
+    "lowrank_i8": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[112, 8]])),
+    "lowrank_refresh40": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, refresh_every=40)),
+}
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="dense,m95,m95_meanfill,lowrank")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (8 x 128 tokens as the configs)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--pp", type=int, default=2, help="boundaries as in a pp-stage pipeline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-sequences", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=30)
+    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
+    return p.parse_args()
+
+
+def heldout_loss(model, masker, seqs, n, mb, coded):
+    import torch
+    from ds_twocircuit.engine import EVAL_STEP_OFFSET
+    from ds_twocircuit.models.layers import causal_lm_loss
+    masker.enabled = coded
+    losses = []
+    with torch.no_grad():
+        for i in range(0, n, mb):
+            x = seqs.batch(i, min(mb, n - i))
+            masker.set_message(EVAL_STEP_OFFSET, i // mb)
+            losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
+    masker.enabled = True
+    return sum(losses) / len(losses)
+
+
+def payload_bytes_per_token(v, hidden: int) -> int:
+    """Bytes per token and direction of the codec's payload (fp32 wire, as dense.json on CPU)."""
+    from ds_twocircuit.masks import kept_count
+    from ds_twocircuit.statecodecs import group_bytes
+    if v["mode"] == "dense":
+        return hidden * 4
+    if v["mode"] == "lowrank":
+        return group_bytes([tuple(g) for g in v["codec"]["groups"]])
+    return kept_count(hidden, v["p"]) * 4
+
+
+def run_variant(name, args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ds_twocircuit.config import CodecConfig
+    from ds_twocircuit.data import PackedSequences, load_documents, split_documents
+    from ds_twocircuit.models.layers import causal_lm_loss
+    from ds_twocircuit.models.presets import resolve_model
+    from ds_twocircuit.reference import BoundaryMasker, untie_head
+
+    v = json.loads(json.dumps(VARIANTS[name]))
+    torch.manual_seed(args.seed)
+    folder = resolve_model(args.model)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    untie_head(model)
+    gas = args.batch // args.micro_batch
+    codec_cfg = CodecConfig(**v["codec"]) if v.get("codec") else None
+    masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed,
+                            codec_cfg=codec_cfg, gas=gas)
+    tok = AutoTokenizer.from_pretrained(folder)
+    train, held = split_documents(load_documents("stdlib"))
+    seqs = PackedSequences(train, tok, args.seq_len, seed=args.seed)
+    hseqs = PackedSequences(held, tok, args.seq_len, shuffle=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    H = model.config.hidden_size
+    log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed,
+           "tokens": args.steps * args.batch * args.seq_len, "train_loss": [], "heldout": []}
+
+    def evaluate(step):
+        rec = {"step": step, "dense": heldout_loss(model, masker, hseqs, args.eval_sequences, args.micro_batch, False)}
+        if v["mode"] != "dense":
+            rec["coded"] = heldout_loss(model, masker, hseqs, args.eval_sequences, args.micro_batch, True)
+        log["heldout"].append(rec)
+        print(f"[{name} seed {args.seed}] step {step}: held-out {rec}", flush=True)
+
+    evaluate(0)
+    eval_state_bytes = masker.codec_state_bytes()  # state fitted for the step-0 coded eval (not training)
+    train_s = 0.0
+    for s in range(args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        batch = seqs.batch(s * args.batch, args.batch)
+        total = 0.0
+        for m in range(gas):
+            x = batch[m * args.micro_batch:(m + 1) * args.micro_batch]
+            masker.set_message(s, m)
+            loss = causal_lm_loss(model(input_ids=x).logits, x)
+            (loss / gas).backward()
+            total += float(loss.detach()) / gas
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        train_s += time.perf_counter() - t0
+        log["train_loss"].append(total)
+        if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
+            evaluate(s + 1)
+        if s % 10 == 0:
+            print(f"[{name} seed {args.seed}] step {s}: loss {total:.4f} ({train_s:.0f} s training)", flush=True)
+    tokens = log["tokens"]
+    state = masker.codec_state_bytes() - eval_state_bytes
+    pp_bytes = 2 * tokens * payload_bytes_per_token(v, H) + state
+    log.update({
+        "train_s": round(train_s, 1), "tokens_per_s": round(tokens / train_s, 2),
+        "heldout_loss": log["heldout"][-1]["dense"], "heldout_loss_coded": log["heldout"][-1].get("coded"),
+        "heldout_loss_base": log["heldout"][0]["dense"],
+        "pp_bytes": pp_bytes, "pp_codec_state_bytes": state,
+        "pp_bytes_ratio": round(2 * tokens * H * 4 / pp_bytes, 3),
+    })
+    return log
+
+
+def report(args):
+    rows = []
+    with open(args.results) as f:
+        for line in f:
+            rows.append(json.loads(line))
+    latest = {}
+    for r in rows:  # the newest run of each (variant, seed)
+        latest[(r["variant"], r["seed"])] = r
+    rows = list(latest.values())
+    dense = [r["heldout_loss"] for r in rows if r["variant"] == "dense"]
+    dense_mean = sum(dense) / len(dense) if dense else None
+    by_variant = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append(r)
+    summary = []
+    for name, rs in by_variant.items():
+        hl = [r["heldout_loss"] for r in rs]
+        hc = [r["heldout_loss_coded"] for r in rs if r["heldout_loss_coded"] is not None]
+        summary.append({
+            "variant": name, "seeds": sorted(r["seed"] for r in rs),
+            "heldout_loss_mean": round(sum(hl) / len(hl), 4), "heldout_loss_spread": round(max(hl) - min(hl), 4),
+            "heldout_loss_coded_mean": round(sum(hc) / len(hc), 4) if hc else None,
+            "vs_dense": round(sum(hl) / len(hl) / dense_mean, 4) if dense_mean else None,
+            "pp_bytes_ratio": rs[0]["pp_bytes_ratio"], "tokens": rs[0]["tokens"],
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in rs) / len(rs), 1),
+            "base_loss": rs[0]["heldout_loss_base"],
+        })
+    ok = [s for s in summary if s["variant"] != "dense" and s["pp_bytes_ratio"] >= 19]
+    recommended = min(ok, key=lambda s: s["heldout_loss_mean"])["variant"] if ok else None
+    out = {"benchmark": "quality", "model": args.model,
+           "protocol": "single-process pipeline equivalent, one boundary (pp=2 balanced), 8 x 128 tokens/step, "
+                       "AdamW lr 1e-4 betas 0.9/0.95 clip 1.0, held-out: first 32 held-out sequences of the "
+                       "stdlib corpus; dense and coded inference",
+           "rows": [{"variant": r["variant"], "codec": r["settings"]["mode"],
+                     "codec_settings": r["settings"].get("codec"), "mask_rate": r["settings"]["p"],
+                     "correction": r["settings"].get("correction", "none"),
+                     "heldout_loss": round(r["heldout_loss"], 4),
+                     "heldout_loss_coded": None if r["heldout_loss_coded"] is None else round(r["heldout_loss_coded"], 4),
+                     "heldout_loss_base": round(r["heldout_loss_base"], 4),
+                     "pp_bytes_ratio": r["pp_bytes_ratio"], "pp_bytes": r["pp_bytes"],
+                     "pp_codec_state_bytes": r["pp_codec_state_bytes"], "tokens": r["tokens"], "seed": r["seed"],
+                     "tokens_per_s": r["tokens_per_s"], "curve": r["heldout"], "command": r["command"]}
+                    for r in rows],
+           "summary": summary, "recommended": recommended,
+           "command": "python launch/bench_quality.py --variants " + ",".join(by_variant) + " --steps "
+                      + str(rows[0]["steps"]) + " --seed S; python launch/bench_quality.py --report"}
+    base = os.path.splitext(args.results)[0]
+    with open(base + ".json", "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(summary, indent=1))
+    print("recommended:", recommended)
+    _write_table(out, base + ".md")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    names = list(by_variant)
+    for r in out["rows"]:
+        i = names.index(r["variant"])
+        style = dict(marker="o", color=f"C{i % 10}", linestyle="-" if r["seed"] == 0 else "--",
+                     label=f"{r['variant']} (seed {r['seed']})")
+        steps = [c["step"] for c in r["curve"]]
+        axes[0].plot(steps, [c["dense"] for c in r["curve"]], **style)
+        if r["heldout_loss_coded"] is not None:
+            axes[1].plot(steps[1:], [c["coded"] for c in r["curve"]][1:], **style)
+    axes[0].set_title("held-out loss, dense inference")
+    axes[1].set_title("held-out loss, through the codec")
+    axes[0].set_ylim(2.0, 4.0)
+    for ax in axes:
+        ax.set_xlabel("step (8 x 128 tokens)")
+        ax.axhline(out["rows"][0]["heldout_loss_base"], color="gray", lw=0.8, ls=":")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+
+
+TABLE_BEGIN, TABLE_END = "<!-- table: written by --report -->", "<!-- end of table -->"
+
+
+def _write_table(out, md_path):
+    from benchnotes import write_section  # launch/, next to this script
+
+    def fmt(x):
+        return "-" if x is None else f"{x:.3f}"
+    lines = ["", "| variant | seeds | held-out loss, dense inference (mean) | spread | vs dense | through the codec "
+             "| PP bytes ratio | tokens | tokens/s (1 process) |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in out["summary"]:
+        lines.append(f"| `{s['variant']}` | {','.join(map(str, s['seeds']))} | {fmt(s['heldout_loss_mean'])} "
+                     f"| {fmt(s['heldout_loss_spread'])} | {fmt(s['vs_dense'])} | {fmt(s['heldout_loss_coded_mean'])} "
+                     f"| {s['pp_bytes_ratio']:.2f} | {s['tokens']:,} | {s['tokens_per_s']:.0f} |")
+    base = out["rows"][0]["heldout_loss_base"] if out["rows"] else None
+    lines += ["", f"Base model (step 0, dense inference): {fmt(base)}. Recommended: `{out['recommended']}`.", ""]
+    write_section(md_path, TABLE_BEGIN, TABLE_END, lines, "Quality at the same boundary bytes")
+
+
+def main():
+    args = parse()
+    if args.report:
+        report(args)
+        return
+    from benchnotes import run_variants  # launch/, next to this script
+    run_variants("launch/bench_quality.py", args, VARIANTS, run_variant)
+
+
+if __name__ == "__main__":
+    main()

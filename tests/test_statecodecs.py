@@ -1,0 +1,189 @@
+"""Stateful boundary codecs (meanfill, lowrank): quantisation, state protocol, exact gradients,
+byte counts, config errors, checkpoint state. Pure torch, single process."""
+import pytest
+import torch
+
+from ds_twocircuit.codec import Message, make_codec
+from ds_twocircuit.config import CodecConfig, ConfigError, TwoCircuitConfig
+from ds_twocircuit.reference import _CodecLink
+from ds_twocircuit.statecodecs import (LowRankCodec, MeanFillCodec, RefreshSchedule, RunningMoments,
+                                       dequantize_groups, group_bytes, principal_basis, quantize_groups)
+
+
+def _msg(shape, key=1, keep=None, refresh=False, train=True):
+    return Message(key=key, shape=tuple(shape), keep=keep or shape[-1], refresh=refresh, train=train)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_group_quantisation_error_and_bytes(bits):
+    torch.manual_seed(0)
+    c = torch.randn(33, 48) * torch.logspace(1, -2, 48)
+    packed, scales = quantize_groups(c, [(48, bits)])
+    assert packed.dtype == torch.uint8 and packed.shape == (33, 48 * bits // 8)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (33, 1)
+    d = dequantize_groups(packed, scales, [(48, bits)])
+    lim = (1 << (bits - 1)) - 1
+    # round to nearest with the bf16 scale: at most half a step, plus the clip of the max element
+    # when bf16 rounded the scale down (at most 2^-8 relative)
+    step = scales.float()
+    assert torch.all((d - c).abs() <= step / 2 + c.abs().amax(1, keepdim=True) * 2 ** -8 + 1e-7)
+    assert torch.all(d.abs() <= lim * step + 1e-6)
+
+
+def test_groups_bytes_and_zero_rows():
+    g = [(16, 8), (184, 4)]
+    assert group_bytes(g) == 16 + 92 + 4
+    c = torch.zeros(5, 200)
+    c[1] = torch.arange(200.0)
+    p, s = quantize_groups(c, g)
+    assert p.shape == (5, 108)
+    d = dequantize_groups(p, s, g)
+    assert torch.equal(d[0], torch.zeros(200)) and torch.isfinite(d).all()
+    assert (d[1] - c[1]).abs().max() <= s[1].float().max() / 2 + 1
+
+
+def test_principal_basis_orthonormal_and_deterministic_sign():
+    torch.manual_seed(1)
+    a = torch.randn(200, 30, dtype=torch.float64)
+    cov = a.T @ a
+    u = principal_basis(cov, 5)
+    assert torch.allclose(u.T @ u, torch.eye(5, dtype=torch.float64), atol=1e-10)
+    assert torch.all(u.abs().argmax(0).eq(u.argmax(0)))  # largest entry of each column is positive
+    ev = torch.linalg.eigvalsh(cov).flip(0)[:5]
+    assert torch.allclose(torch.diag(u.T @ cov @ u), ev, rtol=1e-9)
+
+
+def test_refresh_schedule():
+    r = RefreshSchedule([0, 1, 3], every=10)
+    assert [s for s in range(40) if r.due(s)] == [0, 1, 3, 13, 23, 33]
+    assert [s for s in range(40) if RefreshSchedule([2]).due(s)] == [2]
+
+
+def _pair(groups=((8, 8), (16, 4)), refresh=(0, 2)):
+    return (LowRankCodec(groups=groups, refresh=RefreshSchedule(refresh)),
+            LowRankCodec(groups=groups, refresh=RefreshSchedule(refresh)))
+
+
+def test_lowrank_state_protocol_and_reconstruction():
+    torch.manual_seed(2)
+    H, T = 64, 40
+    basis = torch.linalg.qr(torch.randn(H, 24))[0]
+    send, recv = _pair(groups=((24, 8),))
+    x = 5.0 + torch.randn(T, 24) @ basis.T  # a mean plus a rank-24 signal
+    msg = _msg((T, H), refresh=True)
+    assert send.state_tensor_count(msg) == recv.state_tensor_count(msg) == 2
+    bufs = send.pack_activation(x, msg)
+    assert [b.shape for b in bufs] == [(H,), (H, 24), (T, 24), (T, 1)]
+    assert send.state_bytes_sent == 2 * (H + H * 24)
+    y = recv.unpack_activation([b.clone() for b in bufs], msg, torch.float32)
+    assert torch.equal(send.basis, recv.basis) and torch.equal(send.mean, recv.mean)
+    # int8 coefficients and a bf16 basis: ~1% of the signal
+    assert (y - x).norm() / (x - x.mean(0)).norm() < 0.02
+    # the next message of the step carries no state, on both ends
+    msg2 = _msg((T, H), key=2)
+    assert send.state_tensor_count(msg2) == recv.state_tensor_count(msg2) == 0
+    bufs2 = send.pack_activation(x, msg2)
+    assert len(bufs2) == 2 and sum(b.numel() * b.element_size() for b in bufs2) == T * group_bytes([(24, 8)])
+
+
+def test_lowrank_first_state_even_without_refresh_and_eval_does_not_measure():
+    send, recv = _pair()
+    x = torch.randn(16, 64)
+    m = _msg((16, 64), refresh=False, train=False)  # evaluation before any training step
+    assert send.carries_state(m)
+    recv.unpack_activation(send.pack_activation(x, m), m, torch.float32)
+    assert send.moments.n == 0 and recv.has_state and send.has_state
+    m2 = _msg((16, 64), key=3, refresh=False, train=True)
+    assert not send.carries_state(m2)
+    recv.unpack_activation(send.pack_activation(x, m2), m2, torch.float32)
+    assert send.moments.n == 16
+
+
+def test_lowrank_gradient_is_exact_for_the_coded_graph():
+    """The sender's input gradient equals the gradient of mean + deq(q(c)) U^T with the
+    straight-through coefficients: deq(q(g U)) U^T, as both ends compute it."""
+    torch.manual_seed(3)
+    H, T = 64, 20
+    send, recv = _pair(groups=((24, 8),))
+    x = torch.randn(T, H, requires_grad=True)
+    msg = _msg((T, H), refresh=True)
+    y = _CodecLink.apply(x, (send, recv), msg)
+    w = torch.randn(T, H)
+    (y * w).sum().backward()
+    U = send.basis
+    p, s = quantize_groups(w @ U, [(24, 8)])
+    expect = dequantize_groups(p, s, [(24, 8)]) @ U.T
+    assert torch.equal(x.grad, expect)
+    # and it is the projected dense gradient up to the int8 rounding
+    proj = (w @ U) @ U.T
+    assert torch.nn.functional.cosine_similarity(x.grad.flatten(), proj.flatten(), dim=0) > 0.999
+
+
+def test_meanfill_fills_dropped_channels_with_the_senders_mean():
+    torch.manual_seed(4)
+    H, T, keep = 32, 10, 4
+    send = MeanFillCodec(refresh=RefreshSchedule([0]))
+    recv = MeanFillCodec(refresh=RefreshSchedule([0]))
+    x = torch.randn(T, H) + torch.arange(H, dtype=torch.float32)
+    msg = _msg((T, H), keep=keep, refresh=True)
+    bufs = send.pack_activation(x, msg)
+    assert len(bufs) == 2 and bufs[0].shape == (H,) and bufs[1].shape == (T, keep)
+    assert send.state_bytes_sent == H * 4
+    y = recv.unpack_activation([b.clone() for b in bufs], msg, torch.float32)
+    idx = send.indices(msg, "cpu")
+    kept = torch.zeros(T, H, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(y[kept], x[kept])
+    assert torch.allclose(y[~kept], x.mean(0).expand(T, H)[~kept])
+    # gradient: the fill is a constant, only kept positions carry gradient
+    xx = x.clone().requires_grad_()
+    m2 = _msg((T, H), key=9, keep=keep)
+    out = _CodecLink.apply(xx, (send, recv), m2)
+    g = torch.randn(T, H)
+    (out * g).sum().backward()
+    kept2 = torch.zeros(T, H, dtype=torch.bool).scatter_(1, send.indices(m2, "cpu"), True)
+    assert torch.equal(xx.grad[kept2], g[kept2]) and torch.all(xx.grad[~kept2] == 0)
+
+
+def test_running_moments_match_torch():
+    torch.manual_seed(5)
+    m = RunningMoments(True)
+    a, b = torch.randn(30, 6), torch.randn(50, 6) + 2
+    m.add(a)
+    m.add(b)
+    both = torch.cat([a, b]).double()
+    assert torch.allclose(m.mean(), both.mean(0))
+    assert torch.allclose(m.covariance(), torch.cov(both.T, correction=0), atol=1e-10)
+
+
+def test_codec_state_round_trips_through_state_dict():
+    send, recv = _pair()
+    x = torch.randn(16, 64)
+    m = _msg((16, 64), refresh=True)
+    recv.unpack_activation(send.pack_activation(x, m), m, torch.float32)
+    send2 = LowRankCodec(groups=((8, 8), (16, 4)), refresh=RefreshSchedule((0, 2)))
+    send2.load_state_dict(send.state_dict())
+    m2 = _msg((16, 64), key=5)
+    assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m2), send2.pack_activation(x, m2)))
+
+
+def test_make_codec_reads_the_codec_section():
+    c = make_codec("lowrank", "auto", CodecConfig(groups=[[8, 8], [8, 2]], refresh_steps=[0], refresh_every=5))
+    assert isinstance(c, LowRankCodec) and c.rank == 16 and c.bytes_per_token() == 8 + 2 + 4
+    assert c.refresh.due(10) and not c.refresh.due(7)
+    assert isinstance(make_codec("meanfill", "fp32", None), MeanFillCodec)
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"mode": "lowrank", "codec": {"groups": [[10, 3]]}}, "twocircuit.codec.groups: bits = 3"),
+    ({"mode": "lowrank", "codec": {"groups": [[3, 4]]}}, "positive multiple of 2"),
+    ({"mode": "lowrank", "codec": {"groups": []}}, "twocircuit.codec.groups must be a non-empty list"),
+    ({"mode": "lowrank", "codec": {"refresh_steps": []}}, "twocircuit.codec.refresh_steps"),
+    ({"mode": "lowrank", "codec": {"refresh_every": -1}}, "twocircuit.codec.refresh_every"),
+    ({"mode": "lowrank", "codec": {"basis": 3}}, "unknown key twocircuit.codec.basis"),
+    ({"mode": "lowrank", "ramp_steps": 10}, "do not apply to twocircuit.mode = 'lowrank'"),
+    ({"mode": "pca"}, "allowed: random, topk, dense, meanfill, lowrank"),
+])
+def test_codec_config_errors_name_the_key(section, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        TwoCircuitConfig.from_dict(section)
+    assert needle in str(e.value)
