@@ -25,6 +25,17 @@ def _rank_file(ckpt_dir: str, tag: str, stage: int, dp_rank: int) -> str:
     return os.path.join(ckpt_dir, tag, STATE_DIR, f"stage{stage:02d}_dp{dp_rank:04d}.pt")
 
 
+def _accelerator_rng_state():
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    return None if acc.device_name() == "cpu" else acc.get_rng_state()
+
+
+def _set_accelerator_rng_state(state) -> None:
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().set_rng_state(state)
+
+
 def save_training_state(engine, ckpt_dir: str) -> str:
     tag = f"global_step{engine.global_steps}"
     backend = engine.dp_backend  # its state_dict() waits for in-flight syncs without finishing them
@@ -39,6 +50,8 @@ def save_training_state(engine, ckpt_dir: str) -> str:
         "dp_backend": backend.state_dict() if backend is not None else None,
         "module": engine.module.state_dict() if getattr(backend, "replicas_may_differ", False) else None,
         "rng": torch.get_rng_state(),
+        # the accelerator's generator too (CUDA: this rank's device; on CPU it is the CPU generator)
+        "accelerator_rng": _accelerator_rng_state(),
         "codec": ({"out": engine.codec_out.state_dict(), "in": engine.codec_in.state_dict()}
                   if getattr(engine.codec_out, "stateful", False) else None),
     }
@@ -94,6 +107,8 @@ def load_training_state(engine, ckpt_dir: str) -> int:
     if engine.dp_backend is not None and state["dp_backend"] is not None:
         engine.dp_backend.load_state_dict(state["dp_backend"])
     torch.set_rng_state(state["rng"])
+    if state.get("accelerator_rng") is not None:
+        _set_accelerator_rng_state(state["accelerator_rng"])
     if state.get("codec") is not None and getattr(engine.codec_out, "stateful", False):
         engine.codec_out.load_state_dict(state["codec"]["out"])
         engine.codec_in.load_state_dict(state["codec"]["in"])

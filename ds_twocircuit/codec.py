@@ -147,9 +147,18 @@ class TopKCodec(DenseCodec):
         super().__init__(wire_dtype)
         self._indices: dict[int, torch.Tensor] = {}
 
+    # NCCL has no int16: indices travel as their int16 (or int32) bytes, bit-cast to uint8 (the same
+    # bytes on the wire; every NCCL build has uint8).
+    NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                   torch.float32, torch.float64)
+
     @staticmethod
     def index_dtype(hidden: int):
         return torch.int16 if hidden <= 32767 else torch.int32
+
+    @staticmethod
+    def _index_width(hidden: int) -> int:
+        return 2 if hidden <= 32767 else 4
 
     def pack_activation(self, x, msg):
         flat = x.detach().reshape(msg.tokens, msg.hidden)
@@ -158,14 +167,15 @@ class TopKCodec(DenseCodec):
         vals = flat.gather(1, idx)
         if msg.scale != 1.0:
             vals = vals * msg.scale
-        return [vals.to(self._wire(x.dtype)).contiguous(), idx.to(self.index_dtype(msg.hidden)).contiguous()]
+        wire_idx = idx.to(self.index_dtype(msg.hidden)).contiguous().view(torch.uint8)
+        return [vals.to(self._wire(x.dtype)).contiguous(), wire_idx]
 
     def activation_buffers(self, msg, dtype, device):
         return [torch.empty(msg.tokens, msg.keep, dtype=self._wire(dtype), device=device),
-                torch.empty(msg.tokens, msg.keep, dtype=self.index_dtype(msg.hidden), device=device)]
+                torch.empty(msg.tokens, msg.keep * self._index_width(msg.hidden), dtype=torch.uint8, device=device)]
 
     def unpack_activation(self, bufs, msg, dtype):
-        idx = bufs[1].long()
+        idx = bufs[1].view(self.index_dtype(msg.hidden)).long()
         self._indices[msg.key] = idx
         out = torch.zeros(msg.tokens, msg.hidden, dtype=dtype, device=bufs[0].device)
         out.scatter_(1, idx, bufs[0].to(dtype))

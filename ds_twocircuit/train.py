@@ -201,6 +201,9 @@ def make_plan(args, world_size: int) -> Plan:
             raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} keeps "
                               f"replicas apart between syncs; zero_optimization.stage = {zero} re-syncs "
                               "them every step. Use stage 0.")
+        if (ds.get("fp16") or {}).get("enabled"):
+            from .dp.deepspeed_engine import FP16_DILOCO
+            raise ConfigError(f"{args.config}: " + FP16_DILOCO.format(backend=tc.dp_config.backend))
         if (ds.get("bf16") or {}).get("enabled") and pp > 1:
             raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} cannot run "
                               "with bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "

@@ -65,7 +65,10 @@ def test_topk_sends_largest_values_and_indices_and_grads_follow():
     msg = _msg(x.shape, 3, key=7)
     tx, rx = TopKCodec(), TopKCodec()
     wire = tx.pack_activation(x, msg)
-    assert wire[1].dtype == torch.int16 and wire[0].shape == (12, 3)
+    # int16 indices as their bytes in uint8 (NCCL has no int16); every wire dtype is an NCCL one
+    assert wire[1].dtype == torch.uint8 and wire[1].shape == (12, 6) and wire[0].shape == (12, 3)
+    assert all(t.dtype in TopKCodec.NCCL_DTYPES for t in wire)
+    assert torch.equal(wire[1].view(torch.int16).long().sort(1).values, wire[1].view(torch.int16).long())
     y = rx.unpack_activation([t.clone() for t in wire], msg, x.dtype)
     flat = x.reshape(12, 32)
     top = flat.abs().topk(3, dim=1).indices

@@ -124,6 +124,8 @@ def test_diloco_refuses_zero_and_bf16_under_pp(tmp_path):
         _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, _top={"zero_optimization": {"stage": 1}})])
     with pytest.raises(ConfigError, match=r"bf16\.enabled"):
         _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, _top={"bf16": {"enabled": True}})])
+    with pytest.raises(ConfigError, match=r"fp16\.enabled: DeepSpeed's fp16 optimizer keeps fp32 master"):
+        _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, _top={"fp16": {"enabled": True}})])
 
 
 def test_streaming_diloco_refuses_synced_tied_embeddings(tmp_path):

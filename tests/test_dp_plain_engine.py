@@ -74,3 +74,24 @@ def test_zero1_refused(tmp_path):
     from ds_twocircuit.dp.deepspeed_engine import attach_dp_backend
     with pytest.raises(ConfigError, match="zero_optimization.stage = 0"):
         attach_dp_backend(FakeEngine())
+
+
+def test_fp16_with_diloco_refused():
+    """DeepSpeed's fp16 optimizer would overwrite every outer update from its fp32 masters."""
+    from ds_twocircuit.config import ConfigError
+    from ds_twocircuit.dp.deepspeed_engine import attach_dp_backend
+
+    class FakeEngine:
+        config = {"twocircuit": {"dp": {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2}}}
+        optimizer = None
+
+        def zero_optimization_stage(self):
+            return 0
+
+        def fp16_enabled(self):
+            return True
+    with pytest.raises(ConfigError, match=r"fp16\.enabled.*fp32 master weights"):
+        attach_dp_backend(FakeEngine())
+    FakeEngine.config = {"twocircuit": {"dp": {"backend": "powersgd"}}}  # fine with fp16: no weight rewrite
+    with pytest.raises(AttributeError):  # gets past the fp16 check (the fake has no more engine)
+        attach_dp_backend(FakeEngine())

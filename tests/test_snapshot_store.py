@@ -343,3 +343,11 @@ def test_concurrent_reader_never_sees_a_partial_entry(tmp_path):
         if writer.is_alive():
             writer.kill()
             writer.join()
+
+
+def test_layer_file_index_parses_any_number_of_digits():
+    from ds_twocircuit.anchor.circuit import layer_file_index
+    assert layer_file_index("layer_07-model_states.pt") == 7
+    assert layer_file_index("layer_123-model_states.pt") == 123
+    with pytest.raises(ValueError):
+        layer_file_index("mp_rank_00_model_states.pt")

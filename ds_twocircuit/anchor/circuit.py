@@ -67,6 +67,14 @@ class AnchorPipelineEngine(MaskedPipelineEngine):
     _INSTRUCTION_MAP = {**MaskedPipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step}
 
 
+def layer_file_index(name: str) -> int:
+    """Layer index of a DeepSpeed pipeline layer file ``layer_{idx:02d}-model_states.pt`` (two digits
+    at least: ``layer_07-...``, ``layer_123-...``)."""
+    if not (name.startswith("layer_") and name.endswith("-model_states.pt")):
+        raise ValueError(f"not a pipeline layer file: {name!r}")
+    return int(name[len("layer_"):name.index("-")])
+
+
 def decoder_matrices(module) -> dict[str, torch.nn.Parameter]:
     """The 2-D weights of the decoder layers of a pipeline stage, by parameter name (attention
     and MLP projections; not norms, biases, embeddings or the head)."""
@@ -159,7 +167,7 @@ class AnchorLink:
         if self.dp_rank == 0:
             for f in os.listdir(folder):
                 if f.startswith("layer_") and f.endswith("-model_states.pt"):
-                    idx = int(f[6:8])
+                    idx = layer_file_index(f)
                     if self.engine.module._local_start <= idx < self.engine.module._local_stop:
                         mine[f] = os.path.getsize(os.path.join(folder, f))
         parts = [None] * self.world.size if self.world.rank == 0 else None

@@ -18,6 +18,14 @@ from .config import DPConfig
 from .registry import get_backend
 
 
+# after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
+# them from its fp32 masters on the next step, silently undoing every outer update
+FP16_DILOCO = ("twocircuit.dp.backend = {backend!r} cannot run with fp16.enabled: DeepSpeed's fp16 "
+               "optimizer keeps fp32 master weights that would overwrite each outer (DiLoCo) update on "
+               "the next step; train in fp32 (or bf16 with torch_autocast), or use backend 'powersgd' / "
+               "'allreduce' with fp16")
+
+
 def _dp_section(engine, dp):
     if dp is not None:
         return dp
@@ -44,6 +52,8 @@ def attach_dp_backend(engine, dp: dict | None = None):
     if isinstance(engine.optimizer, BF16_Optimizer):
         raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} cannot run under DeepSpeed's BF16 optimizer "
                           "(it keeps its own flat fp32 gradients); use torch_autocast or fp32")
+    if cfg.backend in ("diloco", "streaming_diloco") and engine.fp16_enabled():
+        raise ConfigError(FP16_DILOCO.format(backend=cfg.backend))
     if not engine.managed_gradient_accumulation():
         raise ConfigError("twocircuit.dp needs DeepSpeed's managed gradient accumulation")
     group = groups._get_data_parallel_group()
