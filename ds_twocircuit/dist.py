@@ -60,6 +60,28 @@ def prepare_runtime() -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+def comm_device():
+    """Where a tensor must live to cross the default process group: the rank's accelerator under
+    NCCL (which rejects CPU tensors), the CPU under gloo."""
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        from deepspeed.accelerator import get_accelerator
+        return torch.device(get_accelerator().current_device_name())
+    return torch.device("cpu")
+
+
+def to_comm(t):
+    """``t`` on :func:`comm_device`: every tensor of ours handed to a collective goes through here
+    (float64 and the other NCCL dtypes only; our counters are float64)."""
+    return t.to(comm_device())
+
+
+def from_comm(t):
+    """A collective's result back on the CPU, to read it."""
+    return t.cpu()
+
+
 def comm_backend() -> str:
     from deepspeed.accelerator import get_accelerator
     name = get_accelerator().communication_backend_name()

@@ -299,9 +299,10 @@ def _replicas_identical(engine, plan) -> bool | None:
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * plan.dp
     dist.all_gather_object(digests, h.hexdigest(), group=engine.grid.get_data_parallel_group())
-    flag = torch.tensor([1.0 if len(set(digests)) == 1 else 0.0])
+    from .dist import from_comm, to_comm
+    flag = to_comm(torch.tensor([1.0 if len(set(digests)) == 1 else 0.0]))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() == 1.0)
+    return bool(from_comm(flag).item() == 1.0)
 
 
 def _allreduce_wire(world, extra: dict | None = None):
@@ -310,12 +311,25 @@ def _allreduce_wire(world, extra: dict | None = None):
     import torch
     import torch.distributed as dist
     from . import wire
+    from .dist import from_comm, to_comm
     t = {**wire.totals(), **(extra or {})}
     kinds = list(t)
-    vec = torch.tensor([t[k] for k in kinds], dtype=torch.float64)
+    vec = to_comm(torch.tensor([t[k] for k in kinds], dtype=torch.float64))
     if world.size > 1:
         dist.all_reduce(vec)
-    return {k: int(v) for k, v in zip(kinds, vec.tolist())}
+    return {k: int(v) for k, v in zip(kinds, from_comm(vec).tolist())}
+
+
+def sum_over_ranks(values: dict, world) -> dict:
+    """Every rank's ``values`` (floats) summed over the circuit's world, in one collective."""
+    import torch
+    import torch.distributed as dist
+    from .dist import from_comm, to_comm
+    keys = sorted(values)
+    vec = to_comm(torch.tensor([values[k] for k in keys], dtype=torch.float64))
+    if world.size > 1:
+        dist.all_reduce(vec)
+    return dict(zip(keys, from_comm(vec).tolist()))
 
 
 def run(argv=None) -> int:
@@ -495,10 +509,7 @@ def run_fast(plan, world) -> int:
     dp_final_bytes = totals.pop("dp_final_sync")
     timing = {k: float(v) for k, v in engine.timing.items()}
     timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
-    tvec = torch.tensor([timing[k] for k in sorted(timing)], dtype=torch.float64)
-    if world.size > 1:
-        torch.distributed.all_reduce(tvec)
-    timing = dict(zip(sorted(timing), tvec.tolist()))
+    timing = sum_over_ranks(timing, world)
     state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
 from .. import wire
+from ..dist import from_comm, to_comm
 from ..engine import MaskedPipelineEngine
 from .spectral import SpectralCorrection
 from .store import SnapshotStore
@@ -239,9 +240,10 @@ class AnchorLink:
         vec = torch.tensor([self.updates, sum(self.staleness), len(self.staleness), self.wait_s,
                             self.publish_s, self.refresh_s], dtype=torch.float64)
         # stats of the stage with the fewest updates (stages consume independently)
-        mins = vec.clone()
-        dist.all_reduce(mins[:1], op=dist.ReduceOp.MIN)
-        dist.all_reduce(vec[3:], op=dist.ReduceOp.MAX)
+        mins, maxs = to_comm(vec[:1].clone()), to_comm(vec[3:].clone())
+        dist.all_reduce(mins, op=dist.ReduceOp.MIN)
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
+        mins, vec[3:] = from_comm(mins), from_comm(maxs)
         n = len(self.staleness)
         return {"updates": int(mins[0]), "mean_staleness": (sum(self.staleness) / n) if n else None,
                 "wait_s": round(float(vec[3]), 6), "publish_s": round(float(vec[4]), 3),
@@ -331,14 +333,14 @@ def run_anchor(plan, world) -> int:
         _, tag, step, run_id = decision[0]
         run_of[tag] = run_id
         folder = os.path.join(store.snapshots_dir, tag)
-        ok = torch.tensor([1.0])
+        ok = to_comm(torch.tensor([1.0]))
         try:
             engine.module.load_state_dir(folder, checkpoint_engine=engine.checkpoint_engine, strict=True)
         except Exception as e:  # a file vanished (pruned) or is corrupt: skip this snapshot
             warnings.warn(f"anchor: snapshot {tag} unreadable on stage {stage} ({type(e).__name__}: {e}); skipped")
             ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() == 0:
+        if from_comm(ok).item() == 0:
             bad.add(tag)
             continue
         for p in engine.module.parameters():

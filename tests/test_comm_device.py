@@ -1,0 +1,73 @@
+"""Every tensor of ours handed to a collective lives on the backend's device (NCCL rejects CPU
+tensors) and has an NCCL dtype. On this CPU machine the check is made to fail for real: the comm
+device is pretended to be ``meta``, so a tensor that did not go through ``to_comm`` arrives on the
+CPU and the fake collective rejects it."""
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+               torch.float32, torch.float64)
+
+
+@pytest.fixture
+def pretend_accelerator(monkeypatch):
+    import ds_twocircuit.anchor.circuit as circuit
+    import ds_twocircuit.dist as tcdist
+    registry, calls = {}, []
+
+    def to_comm(t):
+        m = t.to("meta")
+        registry[id(m)] = t.clone()
+        return m
+
+    def from_comm(m):
+        assert m.device.type == "meta", "read back a tensor that never went to the comm device"
+        return registry[id(m)].clone()
+
+    def collective(t, *a, **k):
+        assert t.device.type == "meta", f"a {t.device} tensor was handed to a collective"
+        assert id(t) in registry and t.dtype in NCCL_DTYPES
+        calls.append((tuple(t.shape), t.dtype))
+
+    for mod in (tcdist, circuit):
+        monkeypatch.setattr(mod, "to_comm", to_comm)
+        monkeypatch.setattr(mod, "from_comm", from_comm)
+    monkeypatch.setattr(dist, "all_reduce", collective)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+    return calls
+
+
+def test_summary_reductions_use_the_comm_device(pretend_accelerator):
+    from ds_twocircuit import train, wire
+    world = types.SimpleNamespace(size=2, rank=0)
+    wire.count("pp_activations", 123)
+    totals = train._allreduce_wire(world, {"dp_final_sync": 7})
+    assert totals["dp_final_sync"] == 7 and totals["pp_activations"] >= 123
+    assert train.sum_over_ranks({"a": 1.5, "b": 2.0}, world) == {"a": 1.5, "b": 2.0}
+    engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2),
+                                   grid=types.SimpleNamespace(get_data_parallel_group=lambda: None))
+    assert train._replicas_identical(engine, types.SimpleNamespace(dp=2)) is True
+    assert len(pretend_accelerator) == 3
+
+
+def test_anchor_link_finish_uses_the_comm_device(pretend_accelerator):
+    from ds_twocircuit.anchor.circuit import AnchorLink
+    link = types.SimpleNamespace(world=types.SimpleNamespace(rank=1), updates=3, staleness=[20, 21, 22],
+                                 wait_s=0.5, publish_s=1.0, refresh_s=0.25, every=20,
+                                 store=types.SimpleNamespace(root="/x"), received_bytes=10)
+    out = AnchorLink.finish(link)
+    assert out["updates"] == 3 and out["wait_s"] == 0.5 and out["refresh_s"] == 0.25
+    assert len(pretend_accelerator) == 2
+
+
+def test_comm_device_is_the_accelerator_under_nccl(monkeypatch):
+    import deepspeed.accelerator as acc
+    from ds_twocircuit.dist import comm_device
+    assert comm_device() == torch.device("cpu")  # no process group / gloo
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(acc, "get_accelerator", lambda: types.SimpleNamespace(current_device_name=lambda: "cuda:3"))
+    assert comm_device() == torch.device("cuda:3")
