@@ -31,6 +31,7 @@ def mask_settings(summary: dict | None, pp: int | None = None, mask_rate: float 
         "partition": partition or tc.get("partition"),
         "rescale": bool(tc.get("rescale", False)),
         "wire_dtype": tc.get("wire_dtype", "auto"),
+        "codec": tc.get("codec"),  # meanfill / lowrank: groups and refresh (state fitted on the first batch)
         "parts": None,
         "step": EVAL_STEP_OFFSET + int((summary or {}).get("steps", 0) or 0),
         "source": "summary.json" if summary else "flags",
@@ -40,6 +41,8 @@ def mask_settings(summary: dict | None, pp: int | None = None, mask_rate: float 
         s["parts"] = list(mesh["parts"])  # the exact stage boundaries the run used
     if mask_rate is not None and s["mode"] == "dense":
         s["mode"] = "random"
+    if s["mode"] == "lowrank" and s["mask_rate"] is None:
+        s["mask_rate"] = 0.0
     missing = [k for k in ("pp", "mask_rate", "seed") if s[k] is None]
     if missing:
         flags = {"pp": "--pp", "mask_rate": "--mask-rate", "seed": "--mask-seed"}
@@ -56,7 +59,7 @@ class MaskedInference:
     """Attach the boundary masks to ``model`` (forward hooks); ``remove()`` detaches them."""
 
     def __init__(self, model, settings: dict):
-        from ds_twocircuit.config import ConfigError
+        from ds_twocircuit.config import CodecConfig, ConfigError
         from ds_twocircuit.reference import BoundaryMasker
         self.settings = settings
         kw = {"parts": settings["parts"]} if settings.get("parts") else {}
@@ -65,7 +68,9 @@ class MaskedInference:
         try:
             self.masker = BoundaryMasker(model, int(settings["pp"]), mode=settings["mode"],
                                          mask_rate=float(settings["mask_rate"]), seed=int(settings["seed"]),
-                                         rescale=settings["rescale"], wire_dtype=settings["wire_dtype"], **kw)
+                                         rescale=settings["rescale"], wire_dtype=settings["wire_dtype"],
+                                         codec_cfg=CodecConfig(**settings["codec"]) if settings.get("codec") else None,
+                                         **kw)
         except (ConfigError, KeyError, ValueError) as e:
             raise MaskingError(f"--masked: {e}") from None
         settings["parts"] = list(self.masker.parts)

@@ -162,6 +162,24 @@ def test_masked_inference_applies_the_training_masks(tiny_folder):
     ref.remove()
 
 
+def test_coded_inference_through_the_lowrank_codec(tiny_folder):
+    """A lowrank run's summary gives the codec (groups); the state is fitted on the first batch."""
+    ck = load_checkpoint(tiny_folder, dtype="float32")
+    dense = _logits(ck.model)
+    summary = {"config": {"twocircuit": {"mode": "lowrank", "mask_rate": 0.95, "partition": "balanced",
+                                         "codec": {"groups": [[8, 8], [16, 4]], "refresh_steps": [0],
+                                                   "refresh_every": 0}}, "seed": 0},
+               "mesh": {"pp": 2}, "steps": 4}
+    s = mask_settings(summary)
+    mi = MaskedInference(ck.model, s)
+    coded = _logits(ck.model)
+    assert torch.isfinite(coded).all() and not torch.allclose(coded, dense)
+    pair = mi.masker._pairs[(0, 0)]
+    assert pair[1].rank == 24 and pair[1].has_state and pair[0].moments.n == 0  # eval never measures
+    mi.remove()
+    assert torch.equal(_logits(ck.model), dense)
+
+
 @pytest.mark.multiproc
 def test_real_training_checkpoint_loads_like_its_hf_folder(tmp_path):
     """A 2-stage DeepSpeed run with --save-checkpoint: its pipeline layer files give the same
