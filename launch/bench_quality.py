@@ -55,6 +55,9 @@ def parse():
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--results", default=RESULTS)
+    p.add_argument("--save-dir", default=None,
+                   help="also save each trained model as a Hugging Face folder <save-dir>/<variant>_seed<S> "
+                        "(for python -m eval --compare, e.g. the pruning comparison)")
     p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
     return p.parse_args()
 
@@ -142,6 +145,12 @@ def run_variant(name, args):
             evaluate(s + 1)
         if s % 10 == 0:
             print(f"[{name} seed {args.seed}] step {s}: loss {total:.4f} ({train_s:.0f} s training)", flush=True)
+    if args.save_dir:
+        masker.remove()
+        folder_out = os.path.join(args.save_dir, f"{name}_seed{args.seed}")
+        model.save_pretrained(folder_out)
+        tok.save_pretrained(folder_out)
+        log["hf_folder"] = folder_out
     tokens = log["tokens"]
     state = masker.codec_state_bytes() - eval_state_bytes
     pp_bytes = 2 * tokens * payload_bytes_per_token(v, H) + state
