@@ -205,10 +205,37 @@ class TwoCircuitConfig:
         return d
 
 
+SHARE_DIR = os.path.join("share", "ds-twocircuit", "ds_configs")  # where a wheel installs ds_configs/
+
+
+def shipped_config_dirs() -> list[str]:
+    """The source tree's ``ds_configs/`` (editable installs, checkouts), then the copy a wheel
+    installs under ``<prefix>/share/ds-twocircuit/ds_configs``."""
+    import sys
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.join(here, "ds_configs"), os.path.join(sys.prefix, SHARE_DIR)]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def resolve_config(path: str) -> str:
+    """``path`` if it exists; else a shipped config of that name (``lowrank.json``,
+    ``ds_configs/lowrank.json`` or ``lowrank`` all work from any folder, after any install)."""
+    if os.path.isfile(path):
+        return path
+    name = path.removeprefix("ds_configs/")
+    if not os.path.isabs(path) and "/" not in name:
+        name = name if name.endswith(".json") else name + ".json"
+        for d in shipped_config_dirs():
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+    shipped = sorted({f for d in shipped_config_dirs() for f in os.listdir(d) if f.endswith(".json")})
+    raise ConfigError(f"DeepSpeed config file {path!r} does not exist"
+                      + (f"; shipped configs: {', '.join(shipped)}" if shipped else ""))
+
+
 def load_ds_config(path: str) -> dict:
     """Read a DeepSpeed JSON config; errors name the file."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"DeepSpeed config file {path!r} does not exist")
+    path = resolve_config(path)
     try:
         with open(path) as f:
             return json.load(f)

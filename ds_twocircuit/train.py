@@ -16,10 +16,9 @@ import shutil
 import sys
 import time
 
-from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load_ds_config
+from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load_ds_config, resolve_config
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "ds_configs", "m95.json")
+DEFAULT_CONFIG = "ds_configs/lowrank.json"  # resolved by config.resolve_config after any install
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
@@ -69,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deepspeed", dest="deepspeed_flag", action="store_true", default=False,
                    help=argparse.SUPPRESS)
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="config", default=None,
-                   help="DeepSpeed JSON config with a \"twocircuit\" section (default ds_configs/m95.json)")
+                   help="DeepSpeed JSON config with a \"twocircuit\" section (default ds_configs/lowrank.json; a shipped config's name works from any folder)")
     return p
 
 
@@ -118,6 +117,7 @@ def make_plan(args, world_size: int) -> Plan:
 
     plan = Plan()
     plan.args = args
+    args.config = resolve_config(args.config)
     ds = load_ds_config(args.config)
     plan.config_name = os.path.splitext(os.path.basename(args.config))[0]
     tc = TwoCircuitConfig.from_dict(ds.pop("twocircuit", {}))
