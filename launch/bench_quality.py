@@ -188,7 +188,8 @@ def report(args):
             "heldout_loss_coded_mean": round(sum(hc) / len(hc), 4) if hc else None,
             "vs_dense": round(sum(hl) / len(hl) / dense_mean, 4) if dense_mean else None,
             "pp_bytes_ratio": rs[0]["pp_bytes_ratio"], "tokens": rs[0]["tokens"],
-            "tokens_per_s": round(sum(r["tokens_per_s"] for r in rs) / len(rs), 1),
+            "tokens_per_s": (round(sum(tps) / len(tps), 1)
+                             if (tps := [r["tokens_per_s"] for r in rs if r.get("tokens_per_s")]) else None),
             "base_loss": rs[0]["heldout_loss_base"],
         })
     ok = [s for s in summary if s["variant"] != "dense" and s["pp_bytes_ratio"] >= 19]
@@ -205,7 +206,8 @@ def report(args):
                      "heldout_loss_base": round(r["heldout_loss_base"], 4),
                      "pp_bytes_ratio": r["pp_bytes_ratio"], "pp_bytes": r["pp_bytes"],
                      "pp_codec_state_bytes": r["pp_codec_state_bytes"], "tokens": r["tokens"], "seed": r["seed"],
-                     "tokens_per_s": r["tokens_per_s"], "curve": r["heldout"], "command": r["command"]}
+                     "tokens_per_s": r.get("tokens_per_s"), "curve": r["heldout"], "command": r["command"],
+                     **({"source": r["source"]} if r.get("source") else {})}
                     for r in rows],
            "summary": summary, "recommended": recommended,
            "command": "python launch/bench_quality.py --variants " + ",".join(by_variant) + " --steps "
@@ -219,7 +221,7 @@ def report(args):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = list(by_variant)
     for r in out["rows"]:
         i = names.index(r["variant"])
@@ -230,7 +232,8 @@ def report(args):
         if r["heldout_loss_coded"] is not None:
             axes[1].plot(steps[1:], [c["coded"] for c in r["curve"]][1:], **style)
     axes[0].set_title("held-out loss, dense inference")
-    axes[1].set_title("held-out loss, through the codec")
+    axes[1].set_title("held-out loss, through the codec (log scale; from the first eval after step 0)")
+    axes[1].set_yscale("log")
     axes[0].set_ylim(2.0, 4.0)
     for ax in axes:
         ax.set_xlabel("step (8 x 128 tokens)")
@@ -248,12 +251,15 @@ def _write_table(out, md_path):
 
     def fmt(x):
         return "-" if x is None else f"{x:.3f}"
+
+    def tps(x):
+        return "-" if x is None else f"{x:.0f}"
     lines = ["", "| variant | seeds | held-out loss, dense inference (mean) | spread | vs dense | through the codec "
              "| PP bytes ratio | tokens | tokens/s (1 process) |", "|---|---|---|---|---|---|---|---|---|"]
     for s in out["summary"]:
         lines.append(f"| `{s['variant']}` | {','.join(map(str, s['seeds']))} | {fmt(s['heldout_loss_mean'])} "
                      f"| {fmt(s['heldout_loss_spread'])} | {fmt(s['vs_dense'])} | {fmt(s['heldout_loss_coded_mean'])} "
-                     f"| {s['pp_bytes_ratio']:.2f} | {s['tokens']:,} | {s['tokens_per_s']:.0f} |")
+                     f"| {s['pp_bytes_ratio']:.2f} | {s['tokens']:,} | {tps(s['tokens_per_s'])} |")
     base = out["rows"][0]["heldout_loss_base"] if out["rows"] else None
     lines += ["", f"Base model (step 0, dense inference): {fmt(base)}. Recommended: `{out['recommended']}`.", ""]
     write_section(md_path, TABLE_BEGIN, TABLE_END, lines, "Quality at the same boundary bytes")
