@@ -7,6 +7,8 @@ import os
 import warnings
 from pathlib import Path
 
+import time
+
 import pytest
 import torch
 
@@ -351,3 +353,53 @@ def test_layer_file_index_parses_any_number_of_digits():
     assert layer_file_index("layer_123-model_states.pt") == 123
     with pytest.raises(ValueError):
         layer_file_index("mp_rank_00_model_states.pt")
+
+
+def _run_snapshot(store, step, run="r1"):
+    tag = f"step{step:08d}"
+    sizes = write_fake_checkpoint(store, tag, step)
+    return store.commit_snapshot(tag, step, {"run": run, "step": step}, files=sizes)
+
+
+def test_anchor_loads_under_a_lease_that_retention_respects(tmp_path):
+    from ds_twocircuit.anchor.circuit import pick_snapshot
+    store = SnapshotStore(tmp_path, keep=1)
+    _run_snapshot(store, 20)
+    lease = pick_snapshot(store, "r1", -1, set(), "anchor-t")
+    assert lease is not None and lease.info.step == 20
+    _run_snapshot(store, 40)          # retention would retire and delete step 20 now ...
+    store.prune_snapshots()
+    assert lease.path.is_dir() and all(p.exists() for p in lease.info.file_paths())  # ... but it is leased
+    lease.release()
+    store.prune_snapshots()
+    assert not (tmp_path / "snapshots" / "step00000020").exists()
+    # a snapshot of another run, or not newer than the last one processed, is not picked (and not held)
+    assert pick_snapshot(store, "other-run", -1, set(), "anchor-t") is None
+    assert pick_snapshot(store, "r1", 40, set(), "anchor-t") is None
+    assert not any((tmp_path / "leases").rglob("*.json"))
+
+
+def test_a_bad_tag_committed_again_is_a_new_snapshot(tmp_path):
+    from ds_twocircuit.anchor.circuit import pick_snapshot
+    store = SnapshotStore(tmp_path, keep=2)
+    info = _run_snapshot(store, 20)
+    bad = {(info.tag, info.committed_at)}   # the anchor could not read it
+    assert pick_snapshot(store, "r1", -1, bad, "anchor-t") is None
+    time.sleep(0.01)
+    again = _run_snapshot(store, 20)          # committed again after a resume (same tag)
+    assert again.committed_at != info.committed_at
+    lease = pick_snapshot(store, "r1", -1, bad, "anchor-t")
+    assert lease is not None and lease.info.committed_at == again.committed_at
+    lease.release()
+
+
+def test_a_failing_commit_does_not_reach_the_fast_circuit(tmp_path):
+    from ds_twocircuit.anchor.circuit import commit_snapshot_safely
+    store = SnapshotStore(tmp_path)
+    sizes = write_fake_checkpoint(store, "step00000020", 20)
+    wrong = {k: v + 1 for k, v in sizes.items()}   # what a lagging network filesystem reports
+    with pytest.warns(RuntimeWarning, match="not published .*training goes on"):
+        assert commit_snapshot_safely(store, "step00000020", 20, {"run": "r1"}, wrong) is False
+    assert store.latest_committed_snapshot() is None
+    assert commit_snapshot_safely(store, "step00000020", 20, {"run": "r1"}, sizes) is True
+    assert store.latest_committed_snapshot().step == 20

@@ -105,6 +105,34 @@ def wrap_optimizer(optimizer, module, plan):
                               ema_init=sc.ema_init, anchor_mix=sc.anchor_mix, seed=plan.args.seed)
 
 
+def pick_snapshot(store: SnapshotStore, run_id, last_step: int, bad: set, reader_id: str):
+    """The anchor root's choice: a *lease* on the newest committed snapshot of run ``run_id`` newer
+    than ``last_step`` and not known bad, or None. The lease keeps retention from deleting the
+    snapshot while every anchor rank loads it; release it after. ``bad`` holds (tag, committed_at)
+    pairs, so a tag committed again (e.g. after a resume) is a new snapshot, not a skipped one."""
+    lease = store.acquire_latest_snapshot(reader_id)
+    if lease is None:
+        return None
+    info = lease.info
+    if ((info.batch_id or {}).get("run") != run_id or info.step <= last_step
+            or (info.tag, info.committed_at) in bad):
+        lease.release()
+        return None
+    return lease
+
+
+def commit_snapshot_safely(store: SnapshotStore, tag: str, step: int, batch: dict, files: dict) -> bool:
+    """Commit a snapshot; any store error (a size mismatch from a lagging network filesystem, a
+    full disk) only costs this snapshot: the fast circuit goes on, the log says why."""
+    try:
+        store.commit_snapshot(tag, step, batch, files=files)
+        return True
+    except Exception as e:  # noqa: BLE001 -- nothing of the anchor may stop the fast circuit
+        warnings.warn(f"anchor: snapshot {tag} not published ({type(e).__name__}: {e}); training goes on "
+                      "and the next snapshot is tried", RuntimeWarning, stacklevel=2)
+        return False
+
+
 class AnchorLink:
     """Fast-circuit side: publish snapshots, consume anchor gradients, never wait."""
 
@@ -159,9 +187,17 @@ class AnchorLink:
             return
         t0 = time.perf_counter()
         tag = f"step{step:08d}"
+        box = [True]
         if self.world.rank == 0:
-            self.store.prepare_snapshot(tag)
-        dist.barrier()
+            try:  # e.g. a live lease still holds an older version of this tag
+                self.store.prepare_snapshot(tag)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"anchor: snapshot {tag} skipped ({type(e).__name__}: {e})", RuntimeWarning)
+                box = [False]
+        dist.broadcast_object_list(box, src=0)  # every rank skips together (no half-written tag)
+        if not box[0]:
+            self.publish_s += time.perf_counter() - t0
+            return
         folder = os.path.join(self.store.snapshots_dir, tag)
         self.engine.module.save_state_dict(folder, checkpoint_engine=self.engine.checkpoint_engine)
         mine = {}
@@ -179,7 +215,7 @@ class AnchorLink:
                 files.update(p)
             batch = {"run": self.run_id, "step": step, "dp": self.plan.dp, "gas": self.plan.gas, "micro_batch_size": self.plan.mb,
                      "seq_len": self.plan.args.seq_len, "seed": self.plan.args.seed, "data": self.plan.args.data}
-            self.store.commit_snapshot(tag, step, batch, files=files)
+            commit_snapshot_safely(self.store, tag, step, batch, files)
         self.publish_s += time.perf_counter() - t0
 
     # -- anchor gradients -------------------------------------------------------------------
@@ -294,6 +330,7 @@ def run_anchor(plan, world) -> int:
     poll_s = float(os.environ.get("DS_TWOCIRCUIT_ANCHOR_POLL_S", "0.2"))
     idle_timeout = float(os.environ.get("DS_TWOCIRCUIT_ANCHOR_IDLE_S", "900"))
     last_step, processed, bad = -1, 0, set()
+    reader_id = f"anchor-{uuid.uuid4().hex[:8]}"
     current_run, run_of = None, {}
     last_activity = time.time()
     is_root = z_rank_world == 0
@@ -301,18 +338,19 @@ def run_anchor(plan, world) -> int:
         print(f"[ds_twocircuit] anchor circuit up: Z={plan.z} x pp={plan.pp}, store {store.root}", flush=True)
     while True:
         decision = [None]
+        lease = None
         if is_root:
             run_id = _read(os.path.join(store.root, RUN))
-            info = store.latest_committed_snapshot()
-            if info is not None and (info.batch_id or {}).get("run") != run_id:
-                info = None  # a snapshot of an earlier run in the same store
             if run_id != current_run:  # the fast circuit (re)started: a new timeline
                 current_run, last_step = run_id, -1
+                bad.clear()
                 if run_id is not None:
                     _write_atomic(os.path.join(store.root, UP), run_id)
             done = run_id is not None and _read(os.path.join(store.root, DONE)) == run_id
-            if info is not None and info.step > last_step and info.tag not in bad:
-                decision = [("work", info.tag, info.step, run_id)]
+            lease = pick_snapshot(store, run_id, last_step, bad, reader_id) if run_id is not None else None
+            if lease is not None:
+                info = lease.info
+                decision = [("work", info.tag, info.step, run_id, info.committed_at)]
             elif done:
                 decision = [("stop",)]
             elif time.time() - last_activity > idle_timeout:
@@ -330,7 +368,7 @@ def run_anchor(plan, world) -> int:
         if kind == "wait":
             time.sleep(poll_s)
             continue
-        _, tag, step, run_id = decision[0]
+        _, tag, step, run_id, committed_at = decision[0]
         run_of[tag] = run_id
         folder = os.path.join(store.snapshots_dir, tag)
         ok = to_comm(torch.tensor([1.0]))
@@ -340,8 +378,10 @@ def run_anchor(plan, world) -> int:
             warnings.warn(f"anchor: snapshot {tag} unreadable on stage {stage} ({type(e).__name__}: {e}); skipped")
             ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if lease is not None:  # every rank has read the files: retention may have them now
+            lease.release()
         if from_comm(ok).item() == 0:
-            bad.add(tag)
+            bad.add((tag, committed_at))
             continue
         for p in engine.module.parameters():
             p.grad = None
