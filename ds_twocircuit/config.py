@@ -103,6 +103,10 @@ class AnchorConfig:
     replicas: int = 1               # Z (the --anchor-replicas flag overrides)
     startup_wait_s: float = -1.0    # before step 0, wait up to this long for the anchor to be up
                                     # (-1: 120 s when the launch holds anchor ranks, else 0)
+    correction: str = "spectral"    # spectral (the paper's filter) | delayed_ef (paired control variate:
+                                    # G + ef_lambda x EMA(G_dense - G_comp) of the snapshot steps)
+    ef_lambda: float = 1.0          # delayed_ef: weight of the measured error
+    ef_beta: float = 0.5            # delayed_ef: EMA decay of the errors
     consume: str = "scheduled"      # scheduled: use the gradient of snapshot s at step s+every (or
                                     # later if it is late) -- staleness K, reproducible; arrival: as
                                     # soon as it is published (staleness = the anchor's latency)
@@ -113,6 +117,9 @@ class AnchorConfig:
         _range(self.keep, 1, 1000, f"{p}.keep")
         _range(self.replicas, 0, 1024, f"{p}.replicas")
         _choice(self.consume, ("scheduled", "arrival"), f"{p}.consume")
+        _choice(self.correction, ("spectral", "delayed_ef"), f"{p}.correction")
+        _range(self.ef_lambda, 0.0, 100.0, f"{p}.ef_lambda")
+        _range(self.ef_beta, 0.0, 1.0, f"{p}.ef_beta", hi_open=True)
 
 
 @dataclass

@@ -94,11 +94,17 @@ def store_root(plan) -> str:
 
 
 def wrap_optimizer(optimizer, module, plan):
-    """Wrap the fast circuit's optimizer in SpectralCorrection (when the anchor is enabled)."""
+    """Wrap the fast circuit's optimizer in the configured anchor correction (when the anchor is
+    enabled): SpectralCorrection (the paper's) or DelayedErrorFeedback."""
     sc = plan.tc.anchor.spectral
     targets = decoder_matrices(module)
     if not targets:
         return optimizer
+    if plan.tc.anchor.correction == "delayed_ef":
+        from .corrections import DelayedErrorFeedback
+        a = plan.tc.anchor
+        return DelayedErrorFeedback(optimizer, targets, every=a.every, lam=a.ef_lambda, beta=a.ef_beta,
+                                    seed=plan.args.seed)
     return SpectralCorrection(optimizer, targets, alpha=sc.alpha, tau=sc.tau, beta=sc.beta,
                               tau_mode=sc.tau_mode, svd=sc.svd,
                               svd_rank=(sc.svd_rank or None), topk_diag=sc.topk_diag,
@@ -267,7 +273,7 @@ class AnchorLink:
         if self.staleness:
             s["anchor.staleness"] = self.staleness[-1]
         if self.opt is not None:
-            s.update({k.replace("spectral/", "spectral."): v for k, v in self.opt.last_stats().items()})
+            s.update({k.replace("/", "."): v for k, v in self.opt.last_stats().items()})
         return s
 
     def finish(self) -> dict:
