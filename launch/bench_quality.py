@@ -38,6 +38,10 @@ VARIANTS = {
     "lowrank": dict(mode="lowrank", p=0.0, codec=LOWRANK),   # 200 coefficients: 16 x int8 + 184 x int4
     "lowrank_i8": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[112, 8]])),
     "lowrank_refresh40": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, refresh_every=40)),
+    # anchor correction on top: the dense gradient of the snapshot step's weights and batch, K = 5
+    # steps stale, paired with the fast step's own coded gradient (anchor.correction = delayed_ef)
+    "lowrank_def": dict(mode="lowrank", p=0.0, codec=LOWRANK, correction="delayed_ef", every=5, lam=1.0, beta=0.5),
+    "m95_def": dict(mode="random", p=0.95, correction="delayed_ef", every=5, lam=1.0, beta=0.5),
 }
 
 
@@ -112,6 +116,13 @@ def run_variant(name, args):
     hseqs = PackedSequences(held, tok, args.seq_len, shuffle=False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    K = v.get("every", 0)
+    if v.get("correction") == "delayed_ef":
+        from ds_twocircuit.anchor.corrections import DelayedErrorFeedback
+        from ds_twocircuit.models.layers import hf_decoder_matrices
+        targets = hf_decoder_matrices(model)
+        opt = DelayedErrorFeedback(opt, targets, every=K, lam=v["lam"], beta=v["beta"], seed=args.seed)
+    pending = {}  # snapshot step -> the anchor's dense gradient (delivered K steps later)
     H = model.config.hidden_size
     log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed,
            "tokens": args.steps * args.batch * args.seq_len, "train_loss": [], "heldout": []}
@@ -130,6 +141,16 @@ def run_variant(name, args):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         batch = seqs.batch(s * args.batch, args.batch)
+        if K and s % K == 0:  # the anchor: dense gradient of these weights on this batch
+            masker.enabled = False
+            for m in range(gas):
+                x = batch[m * args.micro_batch:(m + 1) * args.micro_batch]
+                (causal_lm_loss(model(input_ids=x).logits, x) / gas).backward()
+            masker.enabled = True
+            pending[s] = {n: p.grad.detach().clone() for n, p in targets.items()}
+            opt.zero_grad(set_to_none=True)
+        if K and (s - K) in pending:
+            opt.submit_anchor_gradients(pending.pop(s - K), s - K)
         total = 0.0
         for m in range(gas):
             x = batch[m * args.micro_batch:(m + 1) * args.micro_batch]
@@ -137,8 +158,8 @@ def run_variant(name, args):
             loss = causal_lm_loss(model(input_ids=x).logits, x)
             (loss / gas).backward()
             total += float(loss.detach()) / gas
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # before the correction, as DeepSpeed clips
+        opt.step(step=s) if K else opt.step()
         train_s += time.perf_counter() - t0
         log["train_loss"].append(total)
         if (s + 1) % args.eval_every == 0 or s + 1 == args.steps:
@@ -160,6 +181,8 @@ def run_variant(name, args):
         "heldout_loss_base": log["heldout"][0]["dense"],
         "pp_bytes": pp_bytes, "pp_codec_state_bytes": state,
         "pp_bytes_ratio": round(2 * tokens * H * 4 / pp_bytes, 3),
+        # the anchor's traffic is its own circuit's (snapshots, gradients), not pipeline bytes
+        "anchor_every": K or None,
     })
     return log
 
