@@ -22,7 +22,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from . import masks, wire
 from .codec import DenseCodec, Message, make_codec
 
-EVAL_STEP_OFFSET = 1 << 40  # eval_batch keys live apart from training keys
+EVAL_STEP_OFFSET = masks.EVAL_STEP_OFFSET  # eval_batch keys live apart from training keys
 META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
 
 

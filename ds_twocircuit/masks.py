@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+EVAL_STEP_OFFSET = 1 << 40  # evaluation messages use steps from here on, apart from training keys
 GAMMA = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB

@@ -106,12 +106,11 @@ class BoundaryMasker:
 
     def _apply_stateful(self, h: torch.Tensor, boundary: int) -> torch.Tensor:
         from .codec import Message
-        from .engine import EVAL_STEP_OFFSET
         H = h.shape[-1]
-        train = self.step < EVAL_STEP_OFFSET
+        train = self.step < masks.EVAL_STEP_OFFSET
         replica = self.micro // self.gas if train else 0
         pair = self._pair(boundary, replica)
-        keep = H if self.mode == "lowrank" else self.schedule.keep(self.step % EVAL_STEP_OFFSET, H)
+        keep = H if self.mode == "lowrank" else self.schedule.keep(self.step % masks.EVAL_STEP_OFFSET, H)
         scale = 1.0
         if self.rescale and keep < H:
             scale = 1.0 / (1.0 - self.schedule.rate(self.step))

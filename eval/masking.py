@@ -11,7 +11,7 @@ mask and a run is reproducible.
 """
 from __future__ import annotations
 
-EVAL_STEP_OFFSET = 1 << 40  # as ds_twocircuit.engine.EVAL_STEP_OFFSET
+from ds_twocircuit.masks import EVAL_STEP_OFFSET  # the engine's evaluation step space
 
 
 class MaskingError(ValueError):

@@ -68,7 +68,7 @@ def parse():
 
 def heldout_loss(model, masker, seqs, n, mb, coded):
     import torch
-    from ds_twocircuit.engine import EVAL_STEP_OFFSET
+    from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss
     masker.enabled = coded
     losses = []

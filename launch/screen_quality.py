@@ -69,7 +69,7 @@ def main():
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.data import PackedSequences, load_documents, split_documents
-    from ds_twocircuit.engine import EVAL_STEP_OFFSET
+    from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss, hf_decoder_matrices
     from ds_twocircuit.models.presets import resolve_model
     from ds_twocircuit.reference import BoundaryMasker, untie_head
