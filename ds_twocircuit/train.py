@@ -308,16 +308,9 @@ def _replicas_identical(engine, plan) -> bool | None:
 def _allreduce_wire(world, extra: dict | None = None):
     """Sum every rank's byte counters (all kinds, plus any ``extra`` per-rank counts) over the
     circuit's world, in one collective."""
-    import torch
-    import torch.distributed as dist
     from . import wire
-    from .dist import from_comm, to_comm
-    t = {**wire.totals(), **(extra or {})}
-    kinds = list(t)
-    vec = to_comm(torch.tensor([t[k] for k in kinds], dtype=torch.float64))
-    if world.size > 1:
-        dist.all_reduce(vec)
-    return {k: int(v) for k, v in zip(kinds, from_comm(vec).tolist())}
+    totals = sum_over_ranks({**wire.totals(), **(extra or {})}, world)
+    return {k: int(v) for k, v in totals.items()}
 
 
 def sum_over_ranks(values: dict, world) -> dict:
