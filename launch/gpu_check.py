@@ -7,6 +7,11 @@
 3. Mask generation + pack + unpack at Llama-3.2-1B size (H = 2048, sequence 2048, one sequence per
    micro-batch, both directions, both ends) against the forward + backward of an 8-layer stage of
    Llama-1B-shaped decoder layers in bf16, as a share.
+4. The low-rank codec on CUDA: the same wire bytes as on the CPU, and the same reconstruction up to
+   float rounding (the basis is an eigendecomposition: computed on each device from the same data).
+5. A one-process training run (``--pp 1``) of the default model through DeepSpeed's own launcher,
+   on NCCL (every collective of the summary on the GPU).
+6. The eval CLI on CUDA on that run's model (held-out code perplexity).
 
     python launch/gpu_check.py --out docs/benchmarks/gpu_check.json
 """
@@ -102,10 +107,71 @@ def main():
     stage_s = timed(stage, reps=5)
     res["llama1b"] = {"hidden": H, "seq_len": T, "keep": keep, "codec_s": round(codec_s, 6),
                       "stage_8_layers_fwd_bwd_s": round(stage_s, 6), "overhead_share": round(codec_s / stage_s, 5)}
+    res["lowrank_codec"] = _lowrank_check(torch, dev)
+    res["train_pp1_nccl"], run_dir = _train_run()
+    res["eval_cli_cuda"] = _eval_run(run_dir)
     print(json.dumps(res, indent=2))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         json.dump(res, open(args.out, "w"), indent=2)
+
+
+def _lowrank_check(torch, dev):
+    from ds_twocircuit.codec import Message
+    from ds_twocircuit.statecodecs import LowRankCodec
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g) @ torch.randn(256, 576, generator=g) + 3.0
+    msg = Message(key=1, shape=(512, 576), keep=576, refresh=True)
+    outs, nbytes = [], []
+    for d in ("cpu", dev):
+        tx, rx = LowRankCodec(), LowRankCodec()
+        sent = tx.pack_activation(x.to(d), msg)
+        nbytes.append(sum(t.numel() * t.element_size() for t in sent))
+        outs.append(rx.unpack_activation([t.clone() for t in sent], msg, torch.float32).cpu())
+    rel = float((outs[0] - outs[1]).norm() / outs[0].norm())
+    err = float((outs[0] - x).norm() / (x - x.mean(0)).norm())
+    return {"bytes_cpu": nbytes[0], "bytes_cuda": nbytes[1], "cuda_vs_cpu_rel_diff": rel,
+            "reconstruction_rel_err_cpu": err, "ok": nbytes[0] == nbytes[1] and rel < 1e-2}
+
+
+def _train_run():
+    import subprocess
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "run")
+    ds = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [ds, "--num_gpus", "1", os.path.join(root, "launch", "train.py"), "--deepspeed",
+           os.path.join(root, "ds_configs", "lowrank.json"), "--pp", "1", "--steps", "5", "--output-dir", out,
+           "--eval-sequences", "8"]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800)
+    rec = {"command": " ".join(cmd), "returncode": p.returncode}
+    if p.returncode != 0:
+        rec["stderr_tail"] = p.stderr[-3000:]
+        return rec, None
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    rec.update({"nccl": "nccl" in (p.stdout + p.stderr).lower(), "steps": summary["steps"],
+                "loss_first": summary["loss_first"], "loss_last": summary["loss_last"],
+                "heldout_loss_first": summary.get("heldout_loss_first"), "heldout_loss": summary.get("heldout_loss"),
+                "tokens_per_s": summary["tokens_per_s"]})
+    return rec, out
+
+
+def _eval_run(run_dir):
+    import subprocess
+    if run_dir is None:
+        return {"skipped": "the training run failed"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res_path = os.path.join(os.path.dirname(run_dir), "eval.json")
+    cmd = [sys.executable, "-m", "eval", "--checkpoint", os.path.join(run_dir, "hf"), "--tasks", "code-ppl",
+           "--device", "cuda", "--ppl-tokens", "4096", "--out", res_path]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800)
+    rec = {"command": " ".join(cmd), "returncode": p.returncode}
+    if p.returncode == 0 and os.path.isfile(res_path):
+        r = json.load(open(res_path))
+        rec["device"] = r.get("settings", {}).get("device")
+    else:
+        rec["stderr_tail"] = p.stderr[-3000:]
+    return rec
 
 
 if __name__ == "__main__":
