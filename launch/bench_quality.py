@@ -255,9 +255,9 @@ def report(args):
         if r["heldout_loss_coded"] is not None:
             axes[1].plot(steps[1:], [c["coded"] for c in r["curve"]][1:], **style)
     axes[0].set_title("held-out loss, dense inference")
-    axes[1].set_title("held-out loss, through the codec (log scale; from the first eval after step 0)")
+    axes[1].set_title("held-out loss, through the codec (log scale)")
     axes[1].set_yscale("log")
-    axes[0].set_ylim(2.0, 4.0)
+    axes[0].set_ylim(2.3, 3.5)
     for ax in axes:
         ax.set_xlabel("step (8 x 128 tokens)")
         ax.axhline(out["rows"][0]["heldout_loss_base"], color="gray", lw=0.8, ls=":")
