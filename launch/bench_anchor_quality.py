@@ -21,7 +21,6 @@ the share of the masked gradient's energy in the top-16 anchor directions, the f
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -59,21 +58,10 @@ VARIANTS = {
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="dense,m95,m95_ap,m95_ap_rel,m95_ap_rel_a0,m95_ap_rel_a0_k5,m90,m90_ap_rel_a0_k5")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (8 x 128 tokens as the configs)")
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--pp", type=int, default=2, help="boundaries as in a pp-stage pipeline")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-sequences", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--results", default=RESULTS)
+    from benchnotes import study_parser  # launch/, next to this script
+    p = study_parser(__doc__, "dense,m95,m95_ap,m95_ap_rel,m95_ap_rel_a0,m95_ap_rel_a0_k5,m90,m90_ap_rel_a0_k5",
+                     steps=100, eval_sequences=64, eval_every=25, results=RESULTS)
     p.add_argument("--every", type=int, default=None, help="override K of the AP variants")
-    p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
     return p.parse_args()
 
 

@@ -18,7 +18,6 @@ variant bytes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -46,23 +45,13 @@ VARIANTS = {
 
 
 def parse():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="dense,m95,m95_meanfill,lowrank")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (8 x 128 tokens as the configs)")
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--pp", type=int, default=2, help="boundaries as in a pp-stage pipeline")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-sequences", type=int, default=32)
-    p.add_argument("--eval-every", type=int, default=30)
-    p.add_argument("--results", default=RESULTS)
+    from benchnotes import study_parser  # launch/, next to this script
+    # the published protocol (docs/benchmarks/quality.md): 80 steps, 48 held-out sequences
+    p = study_parser(__doc__, "dense,m95,m95_meanfill,lowrank", steps=80, eval_sequences=48, eval_every=40,
+                     results=RESULTS)
     p.add_argument("--save-dir", default=None,
                    help="also save each trained model as a Hugging Face folder <save-dir>/<variant>_seed<S> "
                         "(for python -m eval --compare, e.g. the pruning comparison)")
-    p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
     return p.parse_args()
 
 

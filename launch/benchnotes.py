@@ -42,3 +42,24 @@ def run_variants(script: str, args, variants: dict, run_variant) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
         with open(args.results, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def study_parser(doc: str, variants: str, steps: int, eval_sequences: int, eval_every: int, results: str):
+    """The arguments every training-quality study shares (model, data shape, optimizer, seed,
+    evaluation, results file); a study adds its own on the returned parser."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=variants)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (8 x 128 tokens as the configs)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--pp", type=int, default=2, help="boundaries as in a pp-stage pipeline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-sequences", type=int, default=eval_sequences)
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--results", default=results)
+    p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
+    return p
