@@ -65,21 +65,8 @@ def parse():
     return p.parse_args()
 
 
-def heldout_loss(model, masker, seqs, n, mb, masked):
-    import torch
-    from ds_twocircuit.models.layers import causal_lm_loss
-    masker.enabled = masked
-    losses = []
-    with torch.no_grad():
-        for i in range(0, n, mb):
-            x = seqs.batch(i, min(mb, n - i))
-            masker.set_message(1 << 40, i // mb)  # eval keys live apart from training keys
-            losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
-    masker.enabled = True
-    return sum(losses) / len(losses)
-
-
 def run_variant(name, args):
+    from benchnotes import heldout_loss  # launch/, next to this script
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.anchor.spectral import SpectralCorrection

@@ -55,21 +55,6 @@ def parse():
     return p.parse_args()
 
 
-def heldout_loss(model, masker, seqs, n, mb, coded):
-    import torch
-    from ds_twocircuit.masks import EVAL_STEP_OFFSET
-    from ds_twocircuit.models.layers import causal_lm_loss
-    masker.enabled = coded
-    losses = []
-    with torch.no_grad():
-        for i in range(0, n, mb):
-            x = seqs.batch(i, min(mb, n - i))
-            masker.set_message(EVAL_STEP_OFFSET, i // mb)
-            losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
-    masker.enabled = True
-    return sum(losses) / len(losses)
-
-
 def payload_bytes_per_token(v, hidden: int) -> int:
     """Bytes per token and direction of the codec's payload (fp32 wire, as dense.json on CPU)."""
     from ds_twocircuit.masks import kept_count
@@ -82,6 +67,7 @@ def payload_bytes_per_token(v, hidden: int) -> int:
 
 
 def run_variant(name, args):
+    from benchnotes import heldout_loss  # launch/, next to this script
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.config import CodecConfig

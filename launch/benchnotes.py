@@ -63,3 +63,20 @@ def study_parser(doc: str, variants: str, steps: int, eval_sequences: int, eval_
     p.add_argument("--results", default=results)
     p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
     return p
+
+
+def heldout_loss(model, masker, seqs, n: int, mb: int, coded: bool) -> float:
+    """Mean held-out loss of the first ``n`` sequences, with the boundary codec in the graph
+    (``coded``) or not; evaluation keys live in the engine's evaluation step space."""
+    import torch
+    from ds_twocircuit.masks import EVAL_STEP_OFFSET
+    from ds_twocircuit.models.layers import causal_lm_loss
+    masker.enabled = coded
+    losses = []
+    with torch.no_grad():
+        for i in range(0, n, mb):
+            x = seqs.batch(i, min(mb, n - i))
+            masker.set_message(EVAL_STEP_OFFSET, i // mb)
+            losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
+    masker.enabled = True
+    return sum(losses) / len(losses)
