@@ -217,5 +217,6 @@ def make_codec(mode: str, wire_dtype: str | None, codec_cfg=None):
         refresh = RefreshSchedule(getattr(codec_cfg, "refresh_steps", (0,)), getattr(codec_cfg, "refresh_every", 0))
         if mode == "meanfill":
             return MeanFillCodec(wire_dtype=dt, refresh=refresh)
-        return LowRankCodec(wire_dtype=dt, groups=getattr(codec_cfg, "groups", ((16, 8), (184, 4))), refresh=refresh)
+        return LowRankCodec(wire_dtype=dt, groups=getattr(codec_cfg, "groups", ((16, 8), (184, 4))), refresh=refresh,
+                            coef_norm=getattr(codec_cfg, "coef_norm", "none"))
     return CODECS[mode](wire_dtype=dt)

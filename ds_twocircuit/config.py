@@ -130,6 +130,8 @@ class CodecConfig:
     refresh_steps: list = field(default_factory=lambda: [0, 1, 3])  # steps whose first message ships
                                     # new state (mean / basis) fitted on everything the sender saw
     refresh_every: int = 0          # and every N steps after the last listed one (0: never)
+    coef_norm: str = "none"         # lowrank: none | sqrt_std (divide each coefficient by
+                                    # lambda_i ** 0.25 before quantising; r more bf16 values of state)
 
     def validate(self, p):
         from .statecodecs import check_groups
@@ -142,6 +144,7 @@ class CodecConfig:
             raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
                               f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
         _range(self.refresh_every, 0, 1 << 30, f"{p}.refresh_every")
+        _choice(self.coef_norm, ("none", "sqrt_std"), f"{p}.coef_norm")
 
 
 CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")

@@ -51,25 +51,24 @@ def test_anchor_updates_arrive_with_staleness_k(tmp_path):
     assert json.load(open(os.path.join(store, "anchor_summary.json")))["processed"] >= 3
 
 
-def test_killing_the_anchor_does_not_stop_or_slow_the_fast_circuit(tmp_path):
-    out = str(tmp_path / "run")
+def _run_and_kill_anchor(tmp_path, out, cfg_path, world, fast_args, steps, after_updates, timeout=600):
+    """Launch a fast + anchor run; SIGKILL both anchor ranks once the fast circuit has logged
+    ``after_updates`` anchor updates. Returns (step killed at or None, return code, output)."""
     pidfile = str(tmp_path / "anchor.pid")
     e = env()
     e["DS_TWOCIRCUIT_ANCHOR_PIDFILE"] = pidfile
-    steps = 300
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), TRAIN, "--model", "tiny", "--deepspeed",
-           _cfg(tmp_path, consume="arrival"), "--pp", "2", "--anchor-replicas", "1", "--steps", str(steps),
-           "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), TRAIN, "--model", "tiny", "--deepspeed", cfg_path,
+           *fast_args, "--anchor-replicas", "1", "--steps", str(steps), "--seq-len", str(SEQ),
+           "--output-dir", out, "--eval-sequences", "0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_at = None
-    deadline = time.time() + 600
+    deadline = time.time() + timeout
     try:
         while time.time() < deadline and proc.poll() is None:
-            metrics = os.path.join(out, "metrics.jsonl")
-            if os.path.exists(metrics):
+            if os.path.exists(os.path.join(out, "metrics.jsonl")):
                 rows = read_metrics(out)
-                if rows and rows[-1].get("anchor.updates", 0) >= 1:
+                if rows and rows[-1].get("anchor.updates", 0) >= after_updates:
                     pids = [int(open(p).read()) for p in glob.glob(pidfile + ".*")]
                     assert len(pids) == 2
                     for pid in pids:
@@ -77,12 +76,20 @@ def test_killing_the_anchor_does_not_stop_or_slow_the_fast_circuit(tmp_path):
                     killed_at = rows[-1]["step"]
                     break
             time.sleep(0.2)
-        output, _ = proc.communicate(timeout=600)
+        output, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return killed_at, proc.returncode, output
+
+
+def test_killing_the_anchor_does_not_stop_or_slow_the_fast_circuit(tmp_path):
+    out = str(tmp_path / "run")
+    steps = 300
+    killed_at, rc, output = _run_and_kill_anchor(tmp_path, out, _cfg(tmp_path, consume="arrival"), 4,
+                                                 ["--pp", "2"], steps, 1)
     assert killed_at is not None, "the anchor never delivered an update"
-    assert proc.returncode == 0, output[-3000:]
+    assert rc == 0, output[-3000:]
     assert "anchor worker" in output and "the fast circuit is unaffected" in output
     rows = read_metrics(out)
     assert len(rows) == steps
@@ -115,3 +122,30 @@ def test_anchor_job_skips_a_truncated_snapshot(tmp_path):
     assert "step00000004" in p.stdout + p.stderr
     g = torch.load(os.path.join(store, "grads", "step_00000000", "stage_00.pt"), weights_only=True)
     assert g["source_step"] == 0 and all(t.dim() == 2 for t in g["grads"].values())
+
+
+def test_dp2_replicas_agree_on_anchor_gradients_without_waiting_and_survive_a_killed_anchor(tmp_path):
+    """DP = 2 (plain all-reduce, so replicas must stay bitwise identical every step) with the
+    anchor: the replicas read the store themselves and agree through the asynchronous fence vote
+    (``anchor/fence.py``), so they use the same anchor gradients at the same steps, the anchor wait
+    stays ~0, and killing the anchor mid-run changes neither."""
+    cfg = json.load(open(os.path.join(CONFIGS, "m95_ap.json")))
+    cfg["twocircuit"]["anchor"].update(every=EVERY, consume="arrival")
+    cfg["twocircuit"]["anchor"]["spectral"].update(tau_mode="relative")
+    cfg["twocircuit"]["dp"] = {"backend": "allreduce"}
+    path = tmp_path / "ap_dp.json"
+    path.write_text(json.dumps(cfg))
+    out = str(tmp_path / "run")
+    steps = 120
+    killed_at, rc, output = _run_and_kill_anchor(tmp_path, out, str(path), 6, ["--pp", "2", "--dp", "2"], steps, 3,
+                                                 timeout=900)
+    assert killed_at is not None, "the anchor never delivered three updates"
+    assert rc == 0, output[-3000:]
+    s = read_summary(out)
+    assert s["dp_replicas_identical"] is True
+    a = s["anchor"]
+    assert a["updates"] >= 3 and a["wait_s"] < 1.0
+    # one fence later than with one replica: staleness at least two fence periods
+    assert a["mean_staleness"] >= 2 * EVERY
+    rows = read_metrics(out)
+    assert len(rows) == steps and rows[-1]["anchor.updates"] == a["updates"]

@@ -119,6 +119,44 @@ def test_lowrank_gradient_is_exact_for_the_coded_graph():
     assert torch.nn.functional.cosine_similarity(x.grad.flatten(), proj.flatten(), dim=0) > 0.999
 
 
+def test_lowrank_coef_norm_ships_scales_and_flattens_the_bit_allocation():
+    """coef_norm = sqrt_std: r more bf16 values of state (lambda_i ** 0.25 of each direction, the
+    same on both ends); one 4-bit group then keeps the small directions that a plain 4-bit group
+    rounds to zero, and the gradient is the same straight-through projection as without it."""
+    torch.manual_seed(6)
+    H, T, r = 64, 400, 32
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    x = (torch.randn(T, H) * torch.logspace(1, -1.5, H)) @ q.T + 3.0  # a decaying spectrum
+    errs = {}
+    for norm in ("none", "sqrt_std"):
+        send, recv = (LowRankCodec(groups=((r, 4),), refresh=RefreshSchedule((0,)), coef_norm=norm) for _ in range(2))
+        msg = _msg((T, H), refresh=True)
+        n = 3 if norm == "sqrt_std" else 2
+        assert send.state_tensor_count(msg) == recv.state_tensor_count(msg) == n
+        bufs = send.pack_activation(x, msg)
+        assert len(bufs) == n + 2
+        assert send.state_bytes_sent == 2 * (H + H * r + (r if norm == "sqrt_std" else 0))
+        y = recv.unpack_activation([b.clone() for b in bufs], msg, torch.float32)
+        errs[norm] = float((y - x).norm() / (x - x.mean(0)).norm())
+        if norm == "sqrt_std":
+            assert torch.equal(send.coef_scale, recv.coef_scale) and send.coef_scale.shape == (r,)
+            lam = torch.linalg.eigvalsh(torch.cov(x.T.double(), correction=0)).flip(0)[:r]
+            assert torch.allclose(send.coef_scale.double(), lam.pow(0.25), rtol=2e-2)
+            # exact straight-through gradient, unchanged by the scales
+            xx = x.clone().requires_grad_()
+            m2 = _msg((T, H), key=7)
+            w = torch.randn(T, H)
+            (_CodecLink.apply(xx, (send, recv), m2) * w).sum().backward()
+            p, s = quantize_groups(w @ send.basis, [(r, 4)])
+            assert torch.equal(xx.grad, dequantize_groups(p, s, [(r, 4)]) @ send.basis.T)
+            # and the scales survive a checkpoint
+            send2 = LowRankCodec(groups=((r, 4),), refresh=RefreshSchedule((0,)), coef_norm=norm)
+            send2.load_state_dict(send.state_dict())
+            m3 = _msg((T, H), key=8)
+            assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m3), send2.pack_activation(x, m3)))
+    assert errs["sqrt_std"] < 0.8 * errs["none"], errs
+
+
 def test_meanfill_fills_dropped_channels_with_the_senders_mean():
     torch.manual_seed(4)
     H, T, keep = 32, 10, 4
@@ -170,6 +208,8 @@ def test_make_codec_reads_the_codec_section():
     c = make_codec("lowrank", "auto", CodecConfig(groups=[[8, 8], [8, 2]], refresh_steps=[0], refresh_every=5))
     assert isinstance(c, LowRankCodec) and c.rank == 16 and c.bytes_per_token() == 8 + 2 + 4
     assert c.refresh.due(10) and not c.refresh.due(7)
+    assert c.coef_norm == "none"
+    assert make_codec("lowrank", "auto", CodecConfig(coef_norm="sqrt_std")).coef_norm == "sqrt_std"
     assert isinstance(make_codec("meanfill", "fp32", None), MeanFillCodec)
 
 
@@ -180,6 +220,7 @@ def test_make_codec_reads_the_codec_section():
     ({"mode": "lowrank", "codec": {"refresh_steps": []}}, "twocircuit.codec.refresh_steps"),
     ({"mode": "lowrank", "codec": {"refresh_every": -1}}, "twocircuit.codec.refresh_every"),
     ({"mode": "lowrank", "codec": {"basis": 3}}, "unknown key twocircuit.codec.basis"),
+    ({"mode": "lowrank", "codec": {"coef_norm": "std"}}, "twocircuit.codec.coef_norm"),
     ({"mode": "lowrank", "ramp_steps": 10}, "do not apply to twocircuit.mode = 'lowrank'"),
     ({"mode": "pca"}, "allowed: random, topk, dense, meanfill, lowrank"),
 ])

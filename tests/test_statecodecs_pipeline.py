@@ -23,10 +23,11 @@ def _sgd_config(tmp_path, mode, **tc):
     return path, cfg
 
 
-@pytest.mark.parametrize("pp,dp", [(2, 1), (2, 2), (3, 1)])
-def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp):
+@pytest.mark.parametrize("pp,dp,norm", [(2, 1, "none"), (2, 2, "none"), (3, 1, "none"), (2, 1, "sqrt_std")])
+def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, norm):
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0,
-                            codec={"groups": GROUPS, "refresh_steps": [0, 2], "refresh_every": 0})
+                            codec={"groups": GROUPS, "refresh_steps": [0, 2], "refresh_every": 0,
+                                   "coef_norm": norm})
     out = str(tmp_path / "run")
     torchrun(pp * dp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
                        "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
@@ -39,8 +40,9 @@ def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp):
     wb = s["wire_bytes"]
     assert wb["pp_activations"] == links * tokens_per_link * 20
     assert wb["pp_gradients"] == links * tokens_per_link * 20
-    # refreshes at steps 0 and 2 (of 0..2): mean + basis in bf16, once per link each
-    assert wb["pp_codec_state"] == links * 2 * 2 * (H + H * r)
+    # refreshes at steps 0 and 2 (of 0..2): mean + basis (+ r coefficient scales) in bf16, once
+    # per link each
+    assert wb["pp_codec_state"] == links * 2 * 2 * (H + H * r + (r if norm == "sqrt_std" else 0))
     assert s["mask_rate"] == 0.0 and s["config"]["twocircuit"]["codec"]["groups"] == GROUPS
 
 

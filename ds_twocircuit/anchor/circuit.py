@@ -33,6 +33,7 @@ from deepspeed.runtime.pipe import schedule
 from .. import wire
 from ..dist import from_comm, to_comm
 from ..engine import MaskedPipelineEngine
+from .fence import AnchorFence
 from .spectral import SpectralCorrection
 from .store import SnapshotStore
 
@@ -158,6 +159,8 @@ class AnchorLink:
         self.received_bytes = 0
         self.last_arrival_step = None
         self._warned_absent = False
+        self.fence = AnchorFence(self.every)
+        self._vote = None  # (handle, flags) of the vote in flight (DP > 1)
         box = [None]
         if world.rank == 0:
             self.store.discard_after(engine.global_steps - 1)  # snapshots of a run we replace
@@ -226,35 +229,21 @@ class AnchorLink:
 
     # -- anchor gradients -------------------------------------------------------------------
     def poll(self, step: int) -> None:
-        """Hand new anchor gradients of this stage to the optimizer, if any arrived. All DP
-        replicas of a stage submit the same gradients at the same step (rank 0 of the stage's
-        DP group reads them and broadcasts), so their filters stay identical."""
+        """Hand new anchor gradients of this stage to the optimizer, if any arrived. With DP > 1
+        all replicas of a stage submit the same gradients at the same step, agreed through
+        :class:`~ds_twocircuit.anchor.fence.AnchorFence` (every replica reads the store itself; an
+        asynchronous vote every ``every`` steps; never a wait on the DP link)."""
         if self.opt is None:
             return
         t0 = time.perf_counter()
-        got = None
-        if self.dp_rank == 0:
-            latest = step - self.every if self.plan.tc.anchor.consume == "scheduled" else None
-            got = self.store.poll_anchor_gradients(self.stage, after_step=self.opt.last_anchor_source_step,
-                                                   max_step=latest)
-            if got is not None and (got.batch_id or {}).get("run") != self.run_id:
-                got = None
+        latest = step - self.every if self.plan.tc.anchor.consume == "scheduled" else None
         if self.plan.dp > 1:
-            box = [None if got is None else (got.source_step, got.grads, got.nbytes)]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-            if box[0] is not None:
-                source_step, grads, nbytes = box[0]
-                if self.dp_rank == 0:
-                    wire.count("anchor", nbytes * (self.plan.dp - 1))  # rank 0 forwards to its replicas
-            else:
-                source_step = grads = None
+            source_step, grads = self._fence_step(step, latest)
         else:
+            got = self._read_store(self.opt.last_anchor_source_step, latest)
             source_step, grads = (got.source_step, got.grads) if got is not None else (None, None)
         self.wait_s += time.perf_counter() - t0
         if grads is not None:
-            if self.dp_rank == 0:
-                wire.count("anchor", got.nbytes)  # what crossed from the anchor to this stage
-                self.received_bytes += got.nbytes
             t1 = time.perf_counter()
             self.opt.submit_anchor_gradients(grads, source_step)
             self.refresh_s += time.perf_counter() - t1
@@ -268,6 +257,37 @@ class AnchorLink:
                   "training continues without anchor priors", flush=True)
         self.opt.current_step = step
 
+    def _read_store(self, after_step, max_step):
+        """The newest gradients of this stage and run in the store (counted as anchor bytes: they
+        crossed from the anchor to this rank), or None. Never blocks."""
+        got = self.store.poll_anchor_gradients(self.stage, after_step=after_step, max_step=max_step)
+        if got is None or (got.batch_id or {}).get("run") != self.run_id:
+            return None
+        wire.count("anchor", got.nbytes)
+        self.received_bytes += got.nbytes
+        return got
+
+    def _fence_step(self, step: int, latest):
+        if not self.fence.due(step):
+            return None, None
+        last = self.opt.last_anchor_source_step
+        use = None
+        if self._vote is not None:  # issued `every` steps ago: long complete, the wait is ~0
+            handle, flags = self._vote
+            handle.wait()
+            self._vote = None
+            use = self.fence.resolve(from_comm(flags), last)
+        if use is not None:
+            last = use[0]
+        newest = [s for s in (last, self.fence.newest_held()) if s is not None]
+        got = self._read_store(max(newest) if newest else None, latest)
+        if got is not None:
+            self.fence.offer(got.source_step, got.grads, last)
+        flags = to_comm(self.fence.vote(step))
+        self._vote = (dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.dp_group, async_op=True), flags)
+        wire.count("anchor", wire.ring_allreduce_bytes(wire.tensor_bytes(flags), self.plan.dp))
+        return use if use is not None else (None, None)
+
     def step_stats(self) -> dict:
         s = {"anchor.updates": self.updates, "anchor.wait_s": round(self.wait_s, 6)}
         if self.staleness:
@@ -277,6 +297,9 @@ class AnchorLink:
         return s
 
     def finish(self) -> dict:
+        if self._vote is not None:  # the last vote: complete it, nobody uses it
+            self._vote[0].wait()
+            self._vote = None
         if self.world.rank == 0:
             _write_atomic(os.path.join(self.store.root, DONE), self.run_id)
         vec = torch.tensor([self.updates, sum(self.staleness), len(self.staleness), self.wait_s,
