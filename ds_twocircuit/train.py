@@ -498,15 +498,20 @@ def run_fast(plan, world) -> int:
         if tc.mode != "dense":
             evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
 
-    totals = _allreduce_wire(world, {"dp_final_sync": dp_final_local})
+    # DeepSpeed's engine broadcasts every parameter from each DP group's first replica at start-up
+    # (one-off, outside our counters): what this rank received, for the summary
+    dp_init_local = (sum(p.numel() * p.element_size() for p in engine.module.parameters())
+                     if plan.dp > 1 and engine.grid.get_data_parallel_id() != 0 else 0)
+    totals = _allreduce_wire(world, {"dp_final_sync": dp_final_local, "dp_init": dp_init_local})
     dp_final_bytes = totals.pop("dp_final_sync")
+    dp_init_bytes = totals.pop("dp_init")
     timing = {k: float(v) for k, v in engine.timing.items()}
     timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
     timing = sum_over_ranks(timing, world)
     state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
-                           anchor_stats, dp_final_bytes)
+                           anchor_stats, dp_final_bytes, dp_init_bytes)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
             summary["hf_folder"] = os.path.join(out_dir, "hf")
@@ -518,7 +523,7 @@ def run_fast(plan, world) -> int:
 
 
 def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats,
-             dp_final_bytes=0):
+             dp_final_bytes=0, dp_init_bytes=0):
     args, tc = plan.args, plan.tc
     steps_run = args.steps - start_step
     tokens = log.tokens_per_step * steps_run
@@ -538,6 +543,8 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "dp_replicas_identical": replicas_identical,
         # included in wire_bytes.dp: the end-of-run sync that makes the replicas agree (DiLoCo)
         "dp_final_sync_bytes": dp_final_bytes,
+        # not in wire_bytes.dp: DeepSpeed's start-up broadcast of the weights to the other replicas
+        "dp_init_broadcast_bytes": dp_init_bytes,
         "dp_comm_s_all_ranks": {"total": round(timing["dp_comm_s"], 3), "hidden": round(timing["dp_hidden_comm_s"], 3)},
         "anchor": anchor_stats,
         "mask_rate": tc.effective_mask_rate,
