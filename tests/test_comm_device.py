@@ -31,6 +31,7 @@ def pretend_accelerator(monkeypatch):
         assert t.device.type == "meta", f"a {t.device} tensor was handed to a collective"
         assert id(t) in registry and t.dtype in NCCL_DTYPES
         calls.append((tuple(t.shape), t.dtype))
+        return types.SimpleNamespace(wait=lambda: None) if k.get("async_op") else None
 
     for mod in (tcdist, circuit):
         monkeypatch.setattr(mod, "to_comm", to_comm)
@@ -57,10 +58,27 @@ def test_anchor_link_finish_uses_the_comm_device(pretend_accelerator):
     from ds_twocircuit.anchor.circuit import AnchorLink
     link = types.SimpleNamespace(world=types.SimpleNamespace(rank=1), updates=3, staleness=[20, 21, 22],
                                  wait_s=0.5, publish_s=1.0, refresh_s=0.25, every=20,
-                                 store=types.SimpleNamespace(root="/x"), received_bytes=10)
+                                 store=types.SimpleNamespace(root="/x"), received_bytes=10, _vote=None)
     out = AnchorLink.finish(link)
     assert out["updates"] == 3 and out["wait_s"] == 0.5 and out["refresh_s"] == 0.25
     assert len(pretend_accelerator) == 2
+
+
+def test_anchor_fence_vote_uses_the_comm_device(pretend_accelerator):
+    """DP > 1: the asynchronous vote of the anchor fence goes to the comm device as int32, and its
+    result read back one period later picks the gradients every replica held."""
+    from ds_twocircuit.anchor.circuit import AnchorLink
+    from ds_twocircuit.anchor.fence import AnchorFence
+    grads = {"w": torch.ones(2, 2)}
+    got = types.SimpleNamespace(source_step=0, grads=grads)
+    link = types.SimpleNamespace(fence=AnchorFence(4), _vote=None, opt=types.SimpleNamespace(last_anchor_source_step=None),
+                                 plan=types.SimpleNamespace(dp=2), dp_group=None,
+                                 _read_store=lambda after, latest: got if after is None else None)
+    assert AnchorLink._fence_step(link, 3, None) == (None, None)  # not a fence step: nothing at all
+    assert AnchorLink._fence_step(link, 4, None) == (None, None)  # loads and votes
+    assert pretend_accelerator == [((8,), torch.int32)]
+    src, g = AnchorLink._fence_step(link, 8, None)                  # the vote's result: use step 0
+    assert src == 0 and g is grads and len(pretend_accelerator) == 2
 
 
 def test_comm_device_is_the_accelerator_under_nccl(monkeypatch):
