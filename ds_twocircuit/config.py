@@ -134,7 +134,7 @@ class CodecConfig:
                                     # lambda_i ** 0.25 before quantising; r more bf16 values of state)
 
     def validate(self, p):
-        from .statecodecs import check_groups
+        from .statecodecs import LowRankCodec, check_groups
         try:
             check_groups(self.groups, key=f"{p}.groups")
         except ValueError as e:
@@ -144,7 +144,7 @@ class CodecConfig:
             raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
                               f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
         _range(self.refresh_every, 0, 1 << 30, f"{p}.refresh_every")
-        _choice(self.coef_norm, ("none", "sqrt_std"), f"{p}.coef_norm")
+        _choice(self.coef_norm, LowRankCodec.COEF_NORMS, f"{p}.coef_norm")
 
 
 CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")

@@ -12,7 +12,8 @@ calibration batches, held-out sequences and gradient batch for every codec.
     python launch/screen_quality.py --out docs/benchmarks/screen.json
 
 Codec specs: ``dense``, ``random:P``, ``meanfill:P``, ``lowrank:NxB+NxB...`` (N coefficients at B
-bits, leading principal directions first).
+bits, leading principal directions first), optionally ``/sqrt_std`` (``codec.coef_norm``), e.g.
+``lowrank:224x4/sqrt_std``.
 """
 from __future__ import annotations
 
@@ -40,14 +41,17 @@ def parse_spec(spec: str) -> dict:
             raise SystemExit(f"--codecs {spec!r}: expected {mode}:P with P a mask rate in [0, 1)") from None
         return {"mode": mode, "p": p, "codec": CodecConfig(refresh_steps=[0])}
     if mode == "lowrank":
+        layout, _, norm = arg.partition("/")
         try:
-            groups = [[int(v) for v in g.split("x")] for g in arg.split("+")]
+            groups = [[int(v) for v in g.split("x")] for g in layout.split("+")]
         except ValueError:
-            raise SystemExit(f"--codecs {spec!r}: expected lowrank:NxB+NxB (N coefficients at B bits)") from None
-        cfg = CodecConfig(groups=groups, refresh_steps=[0])
+            raise SystemExit(f"--codecs {spec!r}: expected lowrank:NxB+NxB[/COEF_NORM] (N coefficients at "
+                             "B bits)") from None
+        cfg = CodecConfig(groups=groups, refresh_steps=[0], coef_norm=norm or "none")
         cfg.validate("--codecs " + spec)
         return {"mode": "lowrank", "p": 0.0, "codec": cfg}
-    raise SystemExit(f"--codecs {spec!r}: unknown codec; allowed: dense, random:P, meanfill:P, lowrank:NxB+...")
+    raise SystemExit(f"--codecs {spec!r}: unknown codec; allowed: dense, random:P, meanfill:P, "
+                     "lowrank:NxB+...[/COEF_NORM]")
 
 
 def main():

@@ -228,3 +228,17 @@ def test_codec_config_errors_name_the_key(section, needle):
     with pytest.raises(ConfigError, match=None) as e:
         TwoCircuitConfig.from_dict(section)
     assert needle in str(e.value)
+
+
+def test_screen_spec_reads_the_coefficient_norm():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "screen_quality.py")
+    spec = importlib.util.spec_from_file_location("screen_quality", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    v = mod.parse_spec("lowrank:224x4/sqrt_std")
+    assert v["codec"].groups == [[224, 4]] and v["codec"].coef_norm == "sqrt_std"
+    assert mod.parse_spec("lowrank:16x8+184x4")["codec"].coef_norm == "none"
+    with pytest.raises(ConfigError, match="coef_norm"):
+        mod.parse_spec("lowrank:224x4/std")
