@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-
-STATE_DIR = "twocircuit"
+from .faults import COMMITTED, STATE_DIR, is_committed, maybe_inject, newest_committed
 
 
 def _rank_file(ckpt_dir: str, tag: str, stage: int, dp_rank: int) -> str:
@@ -36,7 +35,10 @@ def _set_accelerator_rng_state(state) -> None:
     get_accelerator().set_rng_state(state)
 
 
-def save_training_state(engine, ckpt_dir: str) -> str:
+def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
+    """Every rank writes its part (atomically: temp file, then rename); after a barrier rank 0
+    writes ``twocircuit/COMPLETE.json`` -- the commit marker resume looks for -- and a second
+    barrier makes the commit visible to all before training goes on."""
     tag = f"global_step{engine.global_steps}"
     backend = engine.dp_backend  # its state_dict() waits for in-flight syncs without finishing them
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={
@@ -58,30 +60,39 @@ def save_training_state(engine, ckpt_dir: str) -> str:
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
+    maybe_inject(fault, "kill-in-checkpoint", dist.get_rank(), engine.global_steps)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(ckpt_dir, tag, STATE_DIR, "COMPLETE.json"), "w") as f:
+        marker = os.path.join(ckpt_dir, tag, STATE_DIR, COMMITTED)
+        with open(marker + ".tmp", "w") as f:
             json.dump({"global_steps": engine.global_steps, "pp": engine.num_stages,
                        "dp": engine.dp_world_size, "backend": engine.tc.dp_config.backend}, f)
+        os.replace(marker + ".tmp", marker)
     dist.barrier()
     return os.path.join(ckpt_dir, tag)
 
 
 def _resolve_tag(ckpt_dir: str) -> tuple[str, str]:
-    if os.path.isfile(os.path.join(ckpt_dir, STATE_DIR, "COMPLETE.json")):  # a tag folder itself
+    """A tag folder itself, or a checkpoint folder: its newest *committed* tag (DeepSpeed's
+    ``latest`` may name one whose writing was cut short)."""
+    if os.path.isfile(os.path.join(ckpt_dir, STATE_DIR, COMMITTED)):  # a tag folder itself
         return os.path.dirname(os.path.abspath(ckpt_dir)), os.path.basename(os.path.abspath(ckpt_dir))
+    newest = newest_committed(ckpt_dir)
+    if newest is not None:
+        return ckpt_dir, os.path.basename(newest[1])
     latest = os.path.join(ckpt_dir, "latest")
     if not os.path.isfile(latest):
-        raise ConfigError(f"--resume {ckpt_dir!r}: no 'latest' file and no {STATE_DIR}/COMPLETE.json; "
-                          "expected a folder written with --save-checkpoint")
+        raise ConfigError(f"--resume {ckpt_dir!r}: no committed checkpoint (global_step*/{STATE_DIR}/"
+                          f"{COMMITTED}) and no 'latest' file; expected a folder written with "
+                          "--save-checkpoint or --save-interval")
     return ckpt_dir, open(latest).read().strip()
 
 
 def load_training_state(engine, ckpt_dir: str) -> int:
     """Restore everything; returns the global step to continue from."""
     root, tag = _resolve_tag(ckpt_dir)
-    meta_path = os.path.join(root, tag, STATE_DIR, "COMPLETE.json")
-    if not os.path.isfile(meta_path):
+    meta_path = os.path.join(root, tag, STATE_DIR, COMMITTED)
+    if not is_committed(root, tag):
         raise ConfigError(f"--resume {ckpt_dir!r}: checkpoint {tag} is incomplete ({meta_path} missing)")
     meta = json.load(open(meta_path))
     if meta["pp"] != engine.num_stages:

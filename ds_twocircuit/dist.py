@@ -29,6 +29,7 @@ class World:
     global_size: int
     local_rank: int
     backend: str
+    store_prefix: str = ""   # this circuit's keys on the launcher's store (faults.PeerCensus)
 
 
 def free_port() -> int:
@@ -88,10 +89,20 @@ def comm_backend() -> str:
     return "gloo" if name == "ccl" else name  # oneCCL has no send/recv (DeepSpeed #5313)
 
 
-def init_world(anchor_ranks: int = 0, timeout_s: int = 1800) -> World:
-    """Initialise torch.distributed (and DeepSpeed's comm) for this process's circuit."""
+def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
+    """Initialise torch.distributed (and DeepSpeed's comm) for this process's circuit.
+
+    ``timeout_s`` bounds every wait on a peer (``--peer-timeout``): the world's own operations
+    and the sub-groups DeepSpeed creates later (data-parallel, tied-embedding), which would
+    otherwise take torch's module default of 30 minutes -- ``new_group`` offers no way in, so
+    that default is set here, once, for this process."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
     import deepspeed
+
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
 
     grank, gsize, lrank = launcher_env()
     backend = comm_backend()
@@ -106,17 +117,19 @@ def init_world(anchor_ranks: int = 0, timeout_s: int = 1800) -> World:
         # (measured: 3x slower per step with 2 ranks x 2 threads on 2 cores).
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    if anchor_ranks == 0:
-        dist.init_process_group(backend, init_method="env://", rank=grank, world_size=gsize,
-                                timeout=timedelta(seconds=timeout_s))
-    else:
-        store, _, _ = next(dist.rendezvous("env://", rank=grank, world_size=gsize,
-                                           timeout=timedelta(seconds=timeout_s)))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"twocircuit/{role}/", store),
-                                rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    # One store prefix per circuit and per torchrun restart: torchrun's static rendezvous keeps
+    # its store across restarts, and the previous attempt's keys (gloo's peer addresses) would
+    # send a restarted group to dead ports.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, _, _ = next(dist.rendezvous("env://", rank=grank, world_size=gsize,
+                                       timeout=timedelta(seconds=max(timeout_s, 60))))
+    prefix = f"twocircuit/attempt{attempt}/{role}/"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
+                            rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    if anchor_ranks:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    return World(role, rank, size, grank, gsize, lrank, backend)
+    return World(role, rank, size, grank, gsize, lrank, backend, prefix)
 
 
 def supervise(argv) -> int:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -61,8 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-checkpoint", action="store_true",
                    help="write a DeepSpeed checkpoint (weights, optimizer, DP and anchor state) at the end")
     p.add_argument("--save-interval", type=int, default=0,
-                   help="also checkpoint every N steps (0: only at the end with --save-checkpoint)")
-    p.add_argument("--resume", default=None, help="DeepSpeed checkpoint folder to resume from")
+                   help="checkpoint every N steps, and at the end (0: use --save-interval-minutes)")
+    p.add_argument("--save-interval-minutes", type=float, default=10.0,
+                   help="when --save-interval is 0: checkpoint about every M minutes of training "
+                        "(default 10; turned into a step interval after the first steps; 0: off)")
+    p.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="committed checkpoints kept in <output_dir>/checkpoint, older ones pruned (default 2)")
+    p.add_argument("--resume", default=None,
+                   help="'auto' (the newest committed checkpoint in <output_dir>/checkpoint, or a fresh "
+                        "start if there is none) or a checkpoint folder. Under torchrun restarts "
+                        "(--max-restarts) 'auto' is implied")
+    p.add_argument("--peer-timeout", type=float, default=300.0,
+                   help="seconds a rank waits for a silent peer (hung process, black-holed link) before "
+                        "it stops with a diagnosis (default 300)")
     p.add_argument("--no-save-model", action="store_true", help="skip writing <output_dir>/hf")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deepspeed", dest="deepspeed_flag", action="store_true", default=False,
@@ -91,6 +103,8 @@ def parse_args(argv=None):
         i += 1
     args = build_parser().parse_args(fixed)
     args.config = args.config or DEFAULT_CONFIG
+    if args.resume is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        args.resume = "auto"  # torchrun restarted the group after a failure: continue, do not redo
     return args
 
 
@@ -166,6 +180,11 @@ def make_plan(args, world_size: int) -> Plan:
                           "sliding-window attention across a pipeline is not supported")
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if not args.peer_timeout > 0:
+        raise ConfigError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
+    from .faults import FAULT_ENV, CheckpointPolicy, parse_fault
+    plan.ckpt_policy = CheckpointPolicy(args.save_interval, args.save_interval_minutes, args.keep_checkpoints)
+    plan.fault = parse_fault(os.environ.get(FAULT_ENV))
 
     docs = load_documents(args.data)
     plan.train_docs, plan.heldout_docs = split_documents(docs)
@@ -341,16 +360,66 @@ def run(argv=None) -> int:
         return supervise(sys.argv[1:] if argv is None else list(argv))
     prepare_runtime()
     from .dist import init_world
-    world = init_world(plan.anchor_ranks)
+    world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
     try:
         if world.role == "anchor":
             from .anchor.circuit import run_anchor
             return run_anchor(plan, world)
-        return run_fast(plan, world)
+        try:
+            return run_fast(plan, world)
+        finally:
+            if getattr(plan, "census", None) is not None:
+                plan.census.stop()
     except ConfigError as e:  # found after start-up (e.g. --resume): every rank finds the same
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        from .faults import lost_peer_reason
+        reason = lost_peer_reason(e)
+        if reason is None or world.role != "fast":
+            raise
+        _report_lost_peer(plan, world, reason, argv)
+
+
+def _report_lost_peer(plan, world, reason: str, argv) -> None:
+    """One line instead of a traceback wall: who stopped, where, what is saved, how to go on.
+    Then leave at once (exit code 3): tearing down a process group with a dead peer can hang."""
+    import signal
+    from .faults import EXIT_PEER_LOST, PeerCensus, census_store, newest_committed, resume_command
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the launcher may be stopping us already
+    dp = plan.dp
+
+    def who(r):
+        return f"rank {r} (stage {r // dp}, replica {r % dp})"
+    try:
+        store = census_store(world.store_prefix)
+    except Exception:
+        store = None
+    missing = PeerCensus(store, world.rank, world.size).missing(min(5.0, plan.args.peer_timeout)) \
+        if store is not None else None
+    alive = sorted(set(range(world.size)) - set(missing or []))
+    if missing and alive and alive[0] != world.rank:
+        os._exit(EXIT_PEER_LOST)                     # the lowest surviving rank speaks for all
+    step = getattr(plan, "step_now", None)          # steps done when it stopped
+    where = (getattr(plan, "phase", None) or f"at step {step}") if step is not None else "during start-up"
+    if missing:
+        lost = ", ".join(who(r) for r in missing) + " stopped or cannot be reached"
+    elif missing is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and world.global_rank:
+        lost = f"{who(0)}, which hosts the launcher's store, stopped or cannot be reached"
+    else:
+        lost = "a peer stopped or cannot be reached"
+    newest = newest_committed(os.path.join(plan.output_dir, "checkpoint"))
+    saved = (f"Last committed checkpoint: {newest[1]} (step {newest[0]}"
+             + (f"; {step - newest[0]} step(s) to redo)" if step is not None else ")")
+             if newest else "No committed checkpoint yet (--save-interval / --save-interval-minutes)")
+    cmd = resume_command(sys.argv[1:] if argv is None else list(argv))
+    print(f"\n[ds_twocircuit] {who(world.rank)} stopped {where}: {lost} ({reason}). {saved}. "
+          f"Resume: {cmd}", file=sys.stderr, flush=True)
+    if store is not None and world.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        time.sleep(min(5.0, plan.args.peer_timeout) + 1.0)   # this process hosts the store: let the
+        #                                                      other survivors finish their census
+    os._exit(EXIT_PEER_LOST)
 
 
 def build_fast_engine(plan):
@@ -383,6 +452,24 @@ def build_fast_engine(plan):
     return engine, dp_backend
 
 
+def _open_metrics(path: str, start_step: int):
+    """metrics.jsonl for appending from ``start_step``: records of steps a resumed run redoes
+    (written after the checkpoint it resumes from) are dropped, so every step appears once."""
+    kept = []
+    if start_step > 0 and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    break                       # a line cut short by the crash: the rest is redone
+    f = open(path, "w")
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
 class StepLog:
     """metrics.jsonl and the progress bar (rank 0), plus per-rank DP comm totals."""
 
@@ -392,8 +479,7 @@ class StepLog:
         self.tokens_per_step = plan.mb * plan.gas * plan.dp * plan.args.seq_len
         self.losses: list[float] = []
         self.dp_comm = {"comm_s": 0.0, "hidden_comm_s": 0.0}
-        self.f = open(os.path.join(plan.output_dir, "metrics.jsonl"), "a" if plan.args.resume else "w") \
-            if is_rank0 else None
+        self.f = _open_metrics(os.path.join(plan.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
         self.bar = tqdm(total=plan.args.steps, initial=start_step, unit="step", disable=not is_rank0,
                         desc=f"{plan.config_name} pp{plan.pp}xdp{plan.dp}", dynamic_ncols=True)
 
@@ -433,6 +519,8 @@ def run_fast(plan, world) -> int:
     out_dir = plan.output_dir
     if is_rank0:
         os.makedirs(out_dir, exist_ok=True)
+    from .faults import PeerCensus, census_store
+    plan.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
     engine, dp_backend = build_fast_engine(plan)
 
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
@@ -441,10 +529,16 @@ def run_fast(plan, world) -> int:
                                 name=f"--data {args.data} (held-out)") if plan.heldout_docs else None
     evaluate = held_seqs is not None and args.eval_sequences > 0
 
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
     start_step = 0
-    if args.resume:
+    resume = _agree_auto_resume(ckpt_dir, world) if args.resume == "auto" else args.resume
+    if args.resume == "auto":
+        log0(is_rank0, f"--resume auto: {'continuing from ' + resume if resume else 'no committed checkpoint in ' + ckpt_dir + ', starting fresh'}")
+    if not resume:
+        _set_aside_old_checkpoints(ckpt_dir, is_rank0)
+    if resume:
         from .checkpoint import load_training_state
-        start_step = load_training_state(engine, args.resume)
+        start_step = load_training_state(engine, resume)
         if start_step >= args.steps:
             raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for "
                               f"--steps {args.steps}")
@@ -461,9 +555,17 @@ def run_fast(plan, world) -> int:
             evals["heldout_loss_masked_first"] = _evaluate(engine, plan, held_seqs, masked=True)
 
     log = StepLog(plan, engine, link, is_rank0, start_step)
-    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    policy = plan.ckpt_policy
+    from .faults import Stopped, maybe_inject
+
+    def on_sigterm(_sig, _frame):
+        raise Stopped("stopped by the launcher (SIGTERM), most likely because another rank failed")
+    signal.signal(signal.SIGTERM, on_sigterm)
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
+        plan.step_now, plan.phase = step, None
+        maybe_inject(plan.fault, "kill", world.rank, step)
+        maybe_inject(plan.fault, "stop", world.rank, step)
         t0 = time.perf_counter()
         before, dp_before = wire.totals(), engine.timing["dp_s"]
         if link is not None:
@@ -473,19 +575,24 @@ def run_fast(plan, world) -> int:
         if not math.isfinite(loss):
             raise FloatingPointError(f"step {step}: training loss is {loss}")
         after = wire.totals()
-        log.record(step, loss, time.perf_counter() - t0,
-                   {k: after[k] - before[k] for k in after if after[k] != before[k]},
+        dt = time.perf_counter() - t0
+        log.record(step, loss, dt, {k: after[k] - before[k] for k in after if after[k] != before[k]},
                    engine.timing["dp_s"] - dp_before)
-        if args.save_interval and (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-            from .checkpoint import save_training_state
-            save_training_state(engine, ckpt_dir)
+        if policy.needs_calibration and step == start_step + 1:   # the first step carries warm-up
+            slowest = _max_over_ranks(dt)
+            every = policy.calibrate(slowest)
+            log0(is_rank0, f"checkpointing every {every} steps (~{policy.every_minutes:g} min at "
+                           f"{slowest:.1f} s/step) to {ckpt_dir}, keeping {policy.keep}")
+        plan.step_now = step + 1
+        if policy.due(step + 1, args.steps):
+            _checkpoint(engine, plan, ckpt_dir)
     log.close()
     wall = time.perf_counter() - t_start
 
     if args.save_checkpoint or args.save_interval:
         # before the final DP flush: a run resumed from here continues exactly like this one would
-        from .checkpoint import save_training_state
-        save_training_state(engine, ckpt_dir)
+        _checkpoint(engine, plan, ckpt_dir)
+    plan.phase = "after the last step (final sync, evaluation or saving the model)"
     dp_before_final = wire.totals()["dp"]
     if dp_backend.finalize():  # finish in-flight DiLoCo syncs; average the drifted fragments once
         log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and drifted weights averaged "
@@ -518,8 +625,59 @@ def run_fast(plan, world) -> int:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, out_dir)
+    plan.census.stop()              # before the last barrier: no store request after it
     torch.distributed.barrier()
     return 0
+
+
+def _max_over_ranks(x: float) -> float:
+    """The largest ``x`` over the fast circuit's ranks (one float64 all-reduce): every rank then
+    takes the same decision."""
+    import torch
+    import torch.distributed as dist
+    from .dist import from_comm, to_comm
+    t = to_comm(torch.tensor([x], dtype=torch.float64))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(from_comm(t)[0])
+
+
+def _agree_auto_resume(ckpt_dir: str, world) -> str | None:
+    """``--resume auto``: the newest committed checkpoint any rank sees (the commit marker is
+    written by rank 0; without a shared filesystem only rank 0's node has it)."""
+    from .faults import newest_committed
+    newest = newest_committed(ckpt_dir)
+    step = int(_max_over_ranks(float(newest[0]) if newest else -1.0))
+    return os.path.join(ckpt_dir, f"global_step{step}") if step >= 0 else None
+
+
+def _set_aside_old_checkpoints(ckpt_dir: str, is_rank0: bool) -> None:
+    """A fresh run must never be resumed from an earlier run's checkpoints in the same folder:
+    they are moved (not deleted) to ``<output_dir>/checkpoint.previous``."""
+    import torch.distributed as dist
+    from .faults import committed_checkpoints
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.path.isdir(ckpt_dir):
+        old = ckpt_dir + ".previous"
+        if committed_checkpoints(ckpt_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(ckpt_dir, old)
+            log0(is_rank0, f"a fresh run: the earlier checkpoints in {ckpt_dir} were moved to {old}")
+        else:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)   # only uncommitted leftovers
+    dist.barrier()
+
+
+def _checkpoint(engine, plan, ckpt_dir: str) -> None:
+    """Write and commit a checkpoint, then prune to the newest ``--keep-checkpoints``."""
+    from .checkpoint import save_training_state
+    from .faults import committed_checkpoints, prune
+    plan.phase = f"while writing the checkpoint of step {engine.global_steps}"
+    save_training_state(engine, ckpt_dir, plan.fault)
+    plan.phase = None
+    done = getattr(plan, "committed_steps", [])
+    plan.committed_steps = done + [engine.global_steps]
+    if os.environ.get("LOCAL_RANK", "0") == "0":       # one pruner per node (shared or local disk)
+        seen = {s for s, _ in committed_checkpoints(ckpt_dir)} | set(plan.committed_steps)
+        prune(ckpt_dir, plan.ckpt_policy.keep, sorted(seen))
 
 
 def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats,

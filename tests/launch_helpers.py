@@ -16,27 +16,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict:
-    e = dict(os.environ)
+def env(extra: dict | None = None) -> dict:
+    e = dict(os.environ, **(extra or {}))
     e.setdefault("OMP_NUM_THREADS", "1")
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
 
-def torchrun(nprocs: int, args: list[str], timeout: int = 600, check: bool = True):
+def torchrun(nprocs: int, args: list[str], timeout: int = 600, check: bool = True, extra_env=None,
+             max_restarts: int = 0):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), TRAIN] + args
-    return _run(cmd, timeout, check)
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           *(["--max-restarts", str(max_restarts)] if max_restarts else []), TRAIN] + args
+    return _run(cmd, timeout, check, extra_env)
 
 
-def deepspeed_launch(nprocs: int, args: list[str], timeout: int = 900, check: bool = True):
+def deepspeed_launch(nprocs: int, args: list[str], timeout: int = 900, check: bool = True, extra_env=None):
     ds = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [ds, "--num_gpus", str(nprocs), "--master_port", str(free_port()), TRAIN] + args
-    return _run(cmd, timeout, check)
+    return _run(cmd, timeout, check, extra_env)
 
 
-def _run(cmd, timeout, check):
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout, check, extra_env=None):
+    p = subprocess.run(cmd, cwd=ROOT, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
     return p
