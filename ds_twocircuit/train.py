@@ -302,7 +302,9 @@ def save_hf_folder(state: dict, plan, out: str) -> None:
 
 def log0(is_rank0: bool, msg: str) -> None:
     if is_rank0:
-        print(f"[ds_twocircuit] {msg}", flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"[ds_twocircuit] {msg}")   # above a running progress bar, not inside it
+        sys.stdout.flush()
 
 
 def _replicas_identical(engine, plan) -> bool | None:
