@@ -491,7 +491,8 @@ class StepLog:
             self.dp_comm[k] += float(self.engine.step_stats.get(k, 0.0))
         if not self.is_rank0:
             return
-        rec = {"step": step, "loss": loss, "tokens": self.tokens_per_step * (step + 1), "step_s": round(dt, 4),
+        rec = {"step": step, "loss": loss, "time": round(time.time(), 3),
+               "tokens": self.tokens_per_step * (step + 1), "step_s": round(dt, 4),
                "tokens_per_s": round(self.tokens_per_step / dt, 2),
                "mask_rate": round(1.0 - self.engine.keep_fraction(step, self.plan.spec.hidden), 6),
                "lr": self.engine.get_lr()[0], "dp_s": round(dp_s, 5), "wire_bytes_rank0": wire_delta}
@@ -522,7 +523,12 @@ def run_fast(plan, world) -> int:
     if is_rank0:
         os.makedirs(out_dir, exist_ok=True)
     from .faults import PeerCensus, census_store
-    plan.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
+    try:
+        plan.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
+    except Exception as e:  # the launcher's store is not at MASTER_ADDR:MASTER_PORT: no census
+        plan.census = None
+        log0(is_rank0, f"no store census of peers after a fault ({type(e).__name__}: {e}); a fault "
+                       "will be reported without naming the lost rank")
     engine, dp_backend = build_fast_engine(plan)
 
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
@@ -537,7 +543,7 @@ def run_fast(plan, world) -> int:
     if args.resume == "auto":
         log0(is_rank0, f"--resume auto: {'continuing from ' + resume if resume else 'no committed checkpoint in ' + ckpt_dir + ', starting fresh'}")
     if not resume:
-        _set_aside_old_checkpoints(ckpt_dir, is_rank0)
+        _set_aside_old_checkpoints(ckpt_dir, world)
     if resume:
         from .checkpoint import load_training_state
         start_step = load_training_state(engine, resume)
@@ -627,7 +633,8 @@ def run_fast(plan, world) -> int:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, out_dir)
-    plan.census.stop()              # before the last barrier: no store request after it
+    if plan.census is not None:
+        plan.census.stop()          # before the last barrier: no store request after it
     torch.distributed.barrier()
     return 0
 
@@ -652,19 +659,33 @@ def _agree_auto_resume(ckpt_dir: str, world) -> str | None:
     return os.path.join(ckpt_dir, f"global_step{step}") if step >= 0 else None
 
 
-def _set_aside_old_checkpoints(ckpt_dir: str, is_rank0: bool) -> None:
+def _set_aside_old_checkpoints(ckpt_dir: str, world) -> None:
     """A fresh run must never be resumed from an earlier run's checkpoints in the same folder:
-    they are moved (not deleted) to ``<output_dir>/checkpoint.previous``."""
+    they are moved (not deleted) to ``<output_dir>/checkpoint.previous``. Rank 0 first, then the
+    first rank of every other node (whose disk may not be shared; on a shared one there is nothing
+    left to do by then)."""
     import torch.distributed as dist
     from .faults import committed_checkpoints
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.path.isdir(ckpt_dir):
+
+    def set_aside():
+        if not os.path.isdir(ckpt_dir):
+            return
         old = ckpt_dir + ".previous"
-        if committed_checkpoints(ckpt_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(ckpt_dir, old)
-            log0(is_rank0, f"a fresh run: the earlier checkpoints in {ckpt_dir} were moved to {old}")
-        else:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)   # only uncommitted leftovers
+        try:
+            if committed_checkpoints(ckpt_dir):
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(ckpt_dir, old)
+                log0(True, f"a fresh run: the earlier checkpoints in {ckpt_dir} were moved to {old}")
+            else:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)   # only uncommitted leftovers
+        except OSError as e:
+            raise ConfigError(f"{ckpt_dir}: cannot set the earlier checkpoints aside ({e}); move them "
+                              "yourself or pass --resume auto to continue from them") from e
+    if world.rank == 0:
+        set_aside()
+    dist.barrier()
+    if world.rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        set_aside()
     dist.barrier()
 
 
