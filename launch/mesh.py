@@ -3,13 +3,15 @@
 
 Every rank runs in its own network namespace ("node"), joined to the others by a bridge, with a
 kernel-enforced bandwidth cap on every directed link (HTB). The ranks rendezvous exactly as on a
-multi-node cluster (MASTER_ADDR = rank 0's address, one process per node), so what crosses the
-links is what would cross a real network. After the run, the kernel's own byte counters per
+multi-node cluster (MASTER_ADDR = the first node's address), either started directly (one process
+per node) or through the README's own multi-node launch lines (``--per-node-launcher``), so what
+crosses the links is what would cross a real network. After the run, the kernel's own byte counters per
 directed link are written next to the run's summary (``mesh.json``): a check of the project's
 byte accounting against the kernel's, TCP/IP and gloo framing included.
 
     sudo python launch/mesh.py --ranks 2 --mbit 200 -- launch/train.py --deepspeed ds_configs/m95.json --output-dir runs/m95_mesh
     python launch/mesh.py --ranks 4 --mbit 200 --link 0-1:50 -- launch/train.py --deepspeed ds_configs/m95_dp.json --pp 2 --dp 2
+    python launch/mesh.py --ranks 2 --procs-per-node 2 --per-node-launcher deepspeed -- launch/train.py --deepspeed ds_configs/m95_ap.json
 
 Needs root (network namespaces) and iproute2 (``ip``, ``tc``). Namespaces get a unique prefix per
 run and are always removed, also when the run fails or is interrupted. Traffic only flows between
@@ -120,6 +122,34 @@ def output_dir_of(argv) -> str | None:
     return None
 
 
+LAUNCHERS = ("none", "deepspeed", "torchrun", "torchrun-c10d")
+
+
+def node_command(launcher: str, node: int, nodes: int, port: int, script: list[str], hostfile: str,
+                 env: dict, procs_per_node: int = 1) -> list[str]:
+    """The command node ``node`` runs: the README's multi-node launch lines (``none``: one process
+    per node, started directly), the first node's address as the master / rendezvous endpoint."""
+    master = f"{SUBNET}.1"
+    if launcher == "none":
+        env.update(RANK=str(node), WORLD_SIZE=str(nodes), LOCAL_RANK="0", LOCAL_SIZE="1",
+                   MASTER_ADDR=master, MASTER_PORT=str(port))
+        return [sys.executable, *script]
+    ppn = str(procs_per_node)
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--no_ssh",
+                "--node_rank", str(node), "--master_addr", master, "--master_port", str(port), *script]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", ppn,
+                "--node_rank", str(node), "--master_addr", master, "--master_port", str(port), *script]
+    # c10d rendezvous: the namespaces share one host name, which resolves to none of their mesh
+    # addresses, so each node names its own address (--local-addr: what it advertises as the
+    # workers' master) and the first node is told it hosts the rendezvous store (the README says
+    # when a real cluster needs the same)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", ppn,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}", "--local-addr", f"{SUBNET}.{node + 1}",
+            *(["--rdzv-conf", "is_host=1"] if node == 0 else []), *script]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -127,11 +157,18 @@ def main(argv=None) -> int:
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="launch/mesh.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, required=True, help="processes (one per emulated node)")
+    p.add_argument("--ranks", type=int, required=True, help="emulated nodes (network namespaces)")
+    p.add_argument("--procs-per-node", type=int, default=1,
+                   help="processes per node (default 1); ranks of one node talk over its loopback, "
+                        "uncapped and uncounted, as on a real machine")
     p.add_argument("--mbit", type=float, default=200.0, help="cap of every directed link (default 200)")
     p.add_argument("--link", action="append", help="per-link cap I-J:MBIT (repeatable)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on rank 0's address")
     p.add_argument("--timeout", type=int, default=3600, help="seconds before the run is stopped")
+    p.add_argument("--per-node-launcher", choices=LAUNCHERS, default="none",
+                   help="how each node starts its rank: none (RANK/WORLD_SIZE/MASTER_* set directly), or "
+                        "exactly as the README's multi-node commands: deepspeed (hostfile, --no_ssh, "
+                        "--node_rank), torchrun (static master), torchrun-c10d (c10d rendezvous)")
     args = p.parse_args(argv[:cut])
     script = argv[cut + 1:]
     if not script:
@@ -143,19 +180,29 @@ def main(argv=None) -> int:
             sys.exit(f"error: '{tool}' not found: install iproute2")
     if args.ranks < 1:
         sys.exit("error: --ranks must be >= 1")
+    if args.procs_per_node < 1 or (args.procs_per_node > 1 and args.per_node_launcher == "none"):
+        sys.exit("error: --procs-per-node must be >= 1, and > 1 needs --per-node-launcher "
+                 "deepspeed, torchrun or torchrun-c10d")
     mesh = Mesh(args.ranks, args.mbit, parse_links(args.link))
+    hostfile = os.path.join(ROOT, ".cache", f"{mesh.prefix}hostfile")
     procs = []
     t0 = time.time()
     rc = 1
     try:
         mesh.up()
         cores = os.cpu_count() or 1
+        if args.per_node_launcher == "deepspeed":
+            os.makedirs(os.path.dirname(hostfile), exist_ok=True)
+            with open(hostfile, "w") as f:
+                f.write("".join(f"{SUBNET}.{i + 1} slots={args.procs_per_node}\n" for i in range(args.ranks)))
         for i in range(args.ranks):
-            env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(args.ranks), LOCAL_RANK="0", LOCAL_SIZE="1",
-                       MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(args.port), GLOO_SOCKET_IFNAME="eth0",
-                       PYTHONUNBUFFERED="1")
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.ranks)))
-            cmd = ["ip", "netns", "exec", mesh.ns(i), sys.executable, *script]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1")
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(k, None)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (args.ranks * args.procs_per_node))))
+            cmd = ["ip", "netns", "exec", mesh.ns(i), *node_command(args.per_node_launcher, i, args.ranks,
+                                                                   args.port, script, hostfile, env,
+                                                                   args.procs_per_node)]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                                           stdout=None if i == 0 else subprocess.DEVNULL,
                                           stderr=None if i == 0 else subprocess.PIPE, text=True))
@@ -194,6 +241,8 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 pass
         mesh.down()
+        if os.path.exists(hostfile):
+            os.remove(hostfile)
     return rc
 
 

@@ -60,3 +60,27 @@ def test_readme_main_job_adapts_the_default_model(tmp_path):
     x = torch.tensor([[1, 2, 3, 4]])
     assert torch.isfinite(model(input_ids=x).logits).all()
     assert json.load(open(os.path.join(out, "hf", "config.json")))["tie_word_embeddings"] is False
+
+
+def test_multinode_lines_are_what_the_mesh_test_runs():
+    """tests/test_multinode.py runs launch/mesh.py's per-node commands; they are the README's
+    multi-node lines (flags for flags; the emulation only adds --local-addr / is_host, which the
+    README explains)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mesh", os.path.join(ROOT, "launch", "mesh.py"))
+    mesh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mesh)
+    text = open(README).read()
+    section = text.split("## Meshes: multi-node", 1)[1].split("\n## ", 1)[0]
+    lines = [l for l in section.splitlines() if l.startswith(("deepspeed ", "torchrun "))]
+    forms = {"deepspeed": [l for l in lines if "--no_ssh" in l],
+             "torchrun": [l for l in lines if "--master_addr" in l and l.startswith("torchrun")],
+             "torchrun-c10d": [l for l in lines if "--rdzv-backend c10d" in l]}
+    for launcher, found in forms.items():
+        assert found, launcher
+        cmd = mesh.node_command(launcher, 1, 2, 29600, ["launch/train.py"], "hostfile", {})
+        flags = {a for a in cmd if a.startswith("--")} - {"--local-addr", "--rdzv-conf"}
+        for line in found:
+            assert flags <= set(shlex.split(line.split("#")[0])), (launcher, flags, line)
+    for f in ("--local-addr", "--rdzv-conf is_host=1", "Num nodes is >1 but no extra nodes available via hostfile"):
+        assert f in section
