@@ -84,10 +84,7 @@ def test_masked_pipeline_matches_single_process_reference(tmp_path, pp, dp):
     on any machine and still catches a wrong mask, scale or boundary (those move weights by >1e-3)."""
     path, cfg = _config(tmp_path, "m95", mask_rate=0.9)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": SGD_LR}}
-    # No clipping here: DeepSpeed's pipeline clip_grad_norm_ counts only the parameters of the
-    # model-parallel rank 0 slice unless marked model-parallel, so its norm is not the global one the
-    # reference computes; AdamW (below, and every shipped config) is invariant to that scale.
-    cfg["gradient_clipping"] = 0.0
+    cfg["gradient_clipping"] = 0.0   # clipping: test_clipping_uses_the_whole_models_norm
     with open(path, "w") as f:
         json.dump(cfg, f)
     out = str(tmp_path / "run")
@@ -101,6 +98,28 @@ def test_masked_pipeline_matches_single_process_reference(tmp_path, pp, dp):
     assert max(float((w[k] - dense_state[k]).abs().max()) for k in w) > 1e-4
 
 
+@pytest.mark.parametrize("pp,tied", [(4, "untie"), (2, "sync")])
+def test_clipping_uses_the_whole_models_norm(tmp_path, pp, tied):
+    """Gradient clipping (every shipped config clips at 1.0) by the norm of the whole model, as
+    the single-process reference and the quality study clip: DeepSpeed alone would count only
+    stage 0's parameters (models.pipe.mark_stage_parameters). ``sync``: the tied embedding held
+    by the first and last stage is counted once. SGD, so the clip factor shows in every weight."""
+    path, cfg = _config(tmp_path, "m95", mask_rate=0.9, tied_embeddings=tied)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": SGD_LR}}
+    cfg["gradient_clipping"] = 0.05      # far below the gradient's norm: active at every step
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    out = str(tmp_path / "run")
+    torchrun(pp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
+                  "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
+    ref_losses, ref_state = reference(cfg, pp, 1)
+    _compare(out, ref_losses, ref_state, atol=2e-6)
+    # and clipping was on: the unclipped reference lands far away
+    _, unclipped = reference({**cfg, "gradient_clipping": 0.0}, pp, 1)
+    w = read_weights(os.path.join(out, "hf"))
+    assert max(float((w[k] - unclipped[k]).abs().max()) for k in w) > 1e-4
+
+
 def test_masked_pipeline_adamw_matches_reference(tmp_path):
     """AdamW (the shipped configs' optimizer) at its own justified tolerance. AdamW's update of an
     element is about lr x m/sqrt(v), bounded by ~lr whatever the gradient's size: a rounding
@@ -108,7 +127,7 @@ def test_masked_pipeline_adamw_matches_reference(tmp_path):
     per step (sign flip), which is why the worst element is bounded by 2 x lr x steps, while the
     bulk of the weights (mean difference) must agree as tightly as the SGD check."""
     path, cfg = _config(tmp_path, "m95", mask_rate=0.9)
-    cfg["gradient_clipping"] = 0.0  # see the SGD test: DeepSpeed's pipeline norm is not the global one
+    cfg["gradient_clipping"] = 0.0
     with open(path, "w") as f:
         json.dump(cfg, f)
     lr = cfg["optimizer"]["params"]["lr"]

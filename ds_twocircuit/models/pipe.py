@@ -58,7 +58,26 @@ def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "balanced"
         for m in module.modules():
             if isinstance(m, EmbedPipe):
                 m.embed_tokens.weight.requires_grad_(False)
+    mark_stage_parameters(module)
     return module
+
+
+def mark_stage_parameters(module) -> None:
+    """DeepSpeed's gradient norm over a pipeline (``clip_grad_norm_``, the fp16/bf16 overflow and
+    norm checks, ZeRO-1) sums over the stages of a replica but counts a parameter on a stage other
+    than the first only if it is marked ``model_parallel`` (Megatron's convention for tensor-sliced
+    weights): unmarked, the clipping norm is stage 0's alone and every stage is clipped by it.
+    Each stage holds its own slice of the model, so every parameter is marked; a tied weight held
+    by several stages (``tied_embeddings = sync``) is counted once, by the lowest rank holding it."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    copies = set()
+    for comm in getattr(module, "tied_comms", {}).values():
+        if rank != min(comm["ranks"]):
+            for attr in comm["weight_attr"]:
+                copies.add(id(module._recursive_getattr(comm["module"], attr)))
+    for p in module.parameters():
+        p.model_parallel = id(p) not in copies
 
 
 def stage_hf_state(module: TwoCircuitPipe, spec: ModelSpec) -> dict[str, torch.Tensor]:
