@@ -126,7 +126,7 @@ _PEER_PATTERNS = (
     (re.compile(r"Connection reset by peer", re.I), "connection reset by peer"),
     (re.compile(r"Broken pipe", re.I), "broken pipe to a peer"),
     (re.compile(r"Timed out waiting (\d+)ms for (\w+)", re.I), "no answer within {0} ms, {1} timed out"),
-    (re.compile(r"timed out|timeout", re.I), "a collective timed out"),
+    (re.compile(r"timed out|timeout", re.I), "timed out: {msg}"),
     (re.compile(r"NCCL (error|communicator was aborted)|ncclRemoteError|ncclSystemError", re.I),
      "NCCL reported a remote failure"),
 )
@@ -145,7 +145,8 @@ def lost_peer_reason(exc: BaseException) -> str | None:
     for pattern, fmt in _PEER_PATTERNS:
         m = pattern.search(text)
         if m:
-            return fmt.format(*[g for g in m.groups() if g is not None]) if m.groups() else fmt
+            first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            return fmt.format(*[g for g in m.groups() if g is not None], msg=first)
     return None
 
 

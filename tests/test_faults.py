@@ -71,6 +71,7 @@ def test_lost_peer_reason_recognises_gloo_and_timeouts():
                         "waiting 5000ms for recv operation to complete")
     assert lost_peer_reason(hung) == "no answer within 5000 ms, recv timed out"
     assert lost_peer_reason(Stopped("stopped by the launcher (SIGTERM)")).startswith("stopped by")
+    assert lost_peer_reason(RuntimeError("Socket Timeout\nmore")) == "timed out: Socket Timeout"
     assert lost_peer_reason(RuntimeError("size mismatch for weight")) is None
     assert lost_peer_reason(ValueError("Connection closed by peer")) is None   # not a comm error
 
