@@ -135,13 +135,11 @@ _PEER_PATTERNS = (
 def lost_peer_reason(exc: BaseException) -> str | None:
     """A short reason when ``exc`` says a peer stopped, hung or became unreachable; None when
     it is some other error (which should keep its traceback)."""
-    import torch.distributed as dist
     if isinstance(exc, Stopped):
         return str(exc)
-    text = f"{type(exc).__name__}: {exc}"
-    is_dist = isinstance(exc, getattr(dist, "DistError", ())) or isinstance(exc, RuntimeError)
-    if not is_dist:
+    if not isinstance(exc, RuntimeError):   # gloo/NCCL errors and torch's DistError are RuntimeErrors
         return None
+    text = f"{type(exc).__name__}: {exc}"
     for pattern, fmt in _PEER_PATTERNS:
         m = pattern.search(text)
         if m:

@@ -387,7 +387,6 @@ def run(argv=None) -> int:
 def _report_lost_peer(plan, world, reason: str, argv) -> None:
     """One line instead of a traceback wall: who stopped, where, what is saved, how to go on.
     Then leave at once (exit code 3): tearing down a process group with a dead peer can hang."""
-    import signal
     from .faults import EXIT_PEER_LOST, PeerCensus, census_store, newest_committed, resume_command
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the launcher may be stopping us already
     dp = plan.dp
