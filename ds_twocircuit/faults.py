@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 from .config import ConfigError
 
@@ -227,15 +226,6 @@ class PeerCensus:
                 time.sleep(0.1)
         except Exception:  # the store went with the rank that hosted it
             return None
-
-
-def census_store(prefix: str, timeout_s: float = 10.0):
-    """A client of the launcher's store of its own (the process group's client serialises its
-    operations, so a blocked ``wait`` there would stall everything else)."""
-    import torch.distributed as dist
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return dist.PrefixStore(prefix, client)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 :class:`BoundaryMasker` hooks the HF submodules whose outputs cross pipeline boundaries (as
 placed by :func:`models.layers.partition_parts`) and multiplies them by the same PRF masks the
-:class:`~ds_twocircuit.engine.MaskedPipelineEngine` uses, with the same wire casts. Because the
+:class:`~ds_twocircuit.adapters.pipeline_engine.MaskedPipelineEngine` uses, with the same wire casts. Because the
 product is in the autograd graph, the backward pass gets the same sparsity pattern. Serves:
 
 * the single-process reference the multi-process engine is tested against

@@ -221,7 +221,7 @@ def make_plan(args, world_size: int) -> Plan:
                               f"replicas apart between syncs; zero_optimization.stage = {zero} re-syncs "
                               "them every step. Use stage 0.")
         if (ds.get("fp16") or {}).get("enabled"):
-            from .dp.deepspeed_engine import FP16_DILOCO
+            from .adapters.plain_engine import FP16_DILOCO
             raise ConfigError(f"{args.config}: " + FP16_DILOCO.format(backend=tc.dp_config.backend))
         if (ds.get("bf16") or {}).get("enabled") and pp > 1:
             raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} cannot run "
@@ -260,7 +260,7 @@ def _evaluate(engine, plan, seqs, masked: bool) -> float | None:
 def _gather_hf_state(engine, spec, world):
     """All stage weights under HF names on global rank 0 (one stage at a time)."""
     import torch.distributed as dist
-    from .models.pipe import stage_hf_state
+    from .adapters.pipe_module import stage_hf_state
     state = stage_hf_state(engine.module, spec) if engine.grid.get_data_parallel_id() == 0 else {}
     gathered = [None] * world.size if world.rank == 0 else None
     dist.gather_object(state, gathered, dst=0)
@@ -320,7 +320,7 @@ def _replicas_identical(engine, plan) -> bool | None:
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     digests = [None] * plan.dp
     dist.all_gather_object(digests, h.hexdigest(), group=engine.grid.get_data_parallel_group())
-    from .dist import from_comm, to_comm
+    from .adapters.dist import from_comm, to_comm
     flag = to_comm(torch.tensor([1.0 if len(set(digests)) == 1 else 0.0]))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(from_comm(flag).item() == 1.0)
@@ -338,7 +338,7 @@ def sum_over_ranks(values: dict, world) -> dict:
     """Every rank's ``values`` (floats) summed over the circuit's world, in one collective."""
     import torch
     import torch.distributed as dist
-    from .dist import from_comm, to_comm
+    from .adapters.dist import from_comm, to_comm
     keys = sorted(values)
     vec = to_comm(torch.tensor([values[k] for k in keys], dtype=torch.float64))
     if world.size > 1:
@@ -348,7 +348,7 @@ def sum_over_ranks(values: dict, world) -> dict:
 
 def run(argv=None) -> int:
     args = parse_args(argv)
-    from .dist import launcher_env, prepare_runtime
+    from .adapters.dist import launcher_env, prepare_runtime
     grank, gsize, _ = launcher_env()
     try:
         plan = make_plan(args, gsize)
@@ -356,16 +356,16 @@ def run(argv=None) -> int:
         if grank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
-    from .dist import CHILD_ENV, supervise
+    from .adapters.dist import CHILD_ENV, supervise
     anchor_role = args.anchor_only or grank >= gsize - plan.anchor_ranks
     if anchor_role and not os.environ.get(CHILD_ENV):
         return supervise(sys.argv[1:] if argv is None else list(argv))
     prepare_runtime()
-    from .dist import init_world
+    from .adapters.dist import init_world
     world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
     try:
         if world.role == "anchor":
-            from .anchor.circuit import run_anchor
+            from .adapters.anchor_circuit import run_anchor
             return run_anchor(plan, world)
         try:
             return run_fast(plan, world)
@@ -387,7 +387,8 @@ def run(argv=None) -> int:
 def _report_lost_peer(plan, world, reason: str, argv) -> None:
     """One line instead of a traceback wall: who stopped, where, what is saved, how to go on.
     Then leave at once (exit code 3): tearing down a process group with a dead peer can hang."""
-    from .faults import EXIT_PEER_LOST, PeerCensus, census_store, newest_committed, resume_command
+    from .adapters.dist import census_store
+    from .faults import EXIT_PEER_LOST, PeerCensus, newest_committed, resume_command
     signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the launcher may be stopping us already
     dp = plan.dp
 
@@ -428,9 +429,10 @@ def build_fast_engine(plan):
     MaskedPipelineEngine and its DP backend."""
     import torch
     from deepspeed.runtime.config import DeepSpeedConfig
+    from .adapters.comm import dp_comm
+    from .adapters.pipeline_engine import MaskedPipelineEngine
     from .dp.registry import get_backend
-    from .engine import MaskedPipelineEngine
-    from .models.pipe import build_pipeline
+    from .adapters.pipe_module import build_pipeline
 
     tc = plan.tc
     torch.manual_seed(plan.args.seed)
@@ -438,7 +440,7 @@ def build_fast_engine(plan):
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer(plan, trainable)
     if tc.anchor.enabled:
-        from .anchor.circuit import wrap_optimizer
+        from .adapters.anchor_circuit import wrap_optimizer
         optimizer = wrap_optimizer(optimizer, module, plan)
     mpu = module.mpu()
     engine = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
@@ -446,8 +448,7 @@ def build_fast_engine(plan):
                                   config_class=DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu))
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     dp_group = engine.grid.get_data_parallel_group()
-    dp_backend = get_backend(tc.dp_config.backend)(named, dp_group if plan.dp > 1 else None, plan.dp,
-                                                   engine.grid.get_data_parallel_id(), tc.dp_config)
+    dp_backend = get_backend(tc.dp_config.backend)(named, dp_comm(dp_group, plan.dp), tc.dp_config)
     engine.pipeline_enable_backward_allreduce = False  # the backend does the DP sync
     engine.setup_twocircuit(tc, tc.mask_seed if tc.mask_seed is not None else plan.args.seed, dp_backend)
     return engine, dp_backend
@@ -521,7 +522,8 @@ def run_fast(plan, world) -> int:
     out_dir = plan.output_dir
     if is_rank0:
         os.makedirs(out_dir, exist_ok=True)
-    from .faults import PeerCensus, census_store
+    from .adapters.dist import census_store
+    from .faults import PeerCensus
     try:
         plan.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
     except Exception as e:  # the launcher's store is not at MASTER_ADDR:MASTER_PORT: no census
@@ -544,14 +546,14 @@ def run_fast(plan, world) -> int:
     if not resume:
         _set_aside_old_checkpoints(ckpt_dir, world)
     if resume:
-        from .checkpoint import load_training_state
+        from .adapters.checkpoint import load_training_state
         start_step = load_training_state(engine, resume)
         if start_step >= args.steps:
             raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for "
                               f"--steps {args.steps}")
     link = None
     if tc.anchor.enabled:
-        from .anchor.circuit import AnchorLink
+        from .adapters.anchor_circuit import AnchorLink
         link = AnchorLink(engine, plan, world)
     stream = MicroBatchStream(train_seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank, start_step=start_step)
 
@@ -643,7 +645,7 @@ def _max_over_ranks(x: float) -> float:
     takes the same decision."""
     import torch
     import torch.distributed as dist
-    from .dist import from_comm, to_comm
+    from .adapters.dist import from_comm, to_comm
     t = to_comm(torch.tensor([x], dtype=torch.float64))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(from_comm(t)[0])
@@ -690,7 +692,7 @@ def _set_aside_old_checkpoints(ckpt_dir: str, world) -> None:
 
 def _checkpoint(engine, plan, ckpt_dir: str) -> None:
     """Write and commit a checkpoint, then prune to the newest ``--keep-checkpoints``."""
-    from .checkpoint import save_training_state
+    from .adapters.checkpoint import save_training_state
     from .faults import committed_checkpoints, prune
     plan.phase = f"while writing the checkpoint of step {engine.global_steps}"
     save_training_state(engine, ckpt_dir, plan.fault)

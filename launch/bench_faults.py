@@ -32,7 +32,7 @@ BIN = os.path.dirname(sys.executable)
 
 
 def _free_port() -> int:
-    from ds_twocircuit.dist import free_port
+    from ds_twocircuit.adapters.dist import free_port
     return free_port()
 
 

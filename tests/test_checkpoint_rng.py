@@ -2,7 +2,7 @@
 the CPU one; on CPU nothing extra is stored."""
 import torch
 
-from ds_twocircuit import checkpoint
+from ds_twocircuit.adapters import checkpoint
 
 
 class _FakeCuda:

@@ -14,8 +14,8 @@ NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
 
 @pytest.fixture
 def pretend_accelerator(monkeypatch):
-    import ds_twocircuit.anchor.circuit as circuit
-    import ds_twocircuit.dist as tcdist
+    import ds_twocircuit.adapters.anchor_circuit as circuit
+    import ds_twocircuit.adapters.dist as tcdist
     registry, calls = {}, []
 
     def to_comm(t):
@@ -55,7 +55,7 @@ def test_summary_reductions_use_the_comm_device(pretend_accelerator):
 
 
 def test_anchor_link_finish_uses_the_comm_device(pretend_accelerator):
-    from ds_twocircuit.anchor.circuit import AnchorLink
+    from ds_twocircuit.adapters.anchor_circuit import AnchorLink
     link = types.SimpleNamespace(world=types.SimpleNamespace(rank=1), updates=3, staleness=[20, 21, 22],
                                  wait_s=0.5, publish_s=1.0, refresh_s=0.25, every=20,
                                  store=types.SimpleNamespace(root="/x"), received_bytes=10, _vote=None)
@@ -67,7 +67,7 @@ def test_anchor_link_finish_uses_the_comm_device(pretend_accelerator):
 def test_anchor_fence_vote_uses_the_comm_device(pretend_accelerator):
     """DP > 1: the asynchronous vote of the anchor fence goes to the comm device as int32, and its
     result read back one period later picks the gradients every replica held."""
-    from ds_twocircuit.anchor.circuit import AnchorLink
+    from ds_twocircuit.adapters.anchor_circuit import AnchorLink
     from ds_twocircuit.anchor.fence import AnchorFence
     grads = {"w": torch.ones(2, 2)}
     got = types.SimpleNamespace(source_step=0, grads=grads)
@@ -83,7 +83,7 @@ def test_anchor_fence_vote_uses_the_comm_device(pretend_accelerator):
 
 def test_comm_device_is_the_accelerator_under_nccl(monkeypatch):
     import deepspeed.accelerator as acc
-    from ds_twocircuit.dist import comm_device
+    from ds_twocircuit.adapters.dist import comm_device
     assert comm_device() == torch.device("cpu")  # no process group / gloo
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")

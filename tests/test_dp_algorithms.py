@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dist_helpers import run_distributed
 from ds_twocircuit import wire
 from ds_twocircuit.dp import registry
-from ds_twocircuit.dp.base import Collective, DPBackend, NonFiniteGradientError
+from ds_twocircuit.adapters.comm import dp_comm
+from ds_twocircuit.dp.base import Collective, Communicator, DPBackend, NonFiniteGradientError
 from ds_twocircuit.dp.config import DPConfig, PowerSGDConfig
 from ds_twocircuit.dp.diloco import StreamingDiLoCo, split_fragments
 from ds_twocircuit.dp.powersgd import PowerSGDCompressor, orthogonalize_
@@ -55,7 +55,7 @@ def _train(model, opt, backend, rank, steps, record=None):
 def _make(cfg, rank, world, lr=0.05, momentum=0.9):
     m = _toy_model()
     opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum)
-    return m, opt, build_backend(list(m.named_parameters()), None, world, rank, cfg)
+    return m, opt, build_backend(list(m.named_parameters()), dp_comm(None, world), cfg)
 
 
 def _low_rank(n, m, k, seed):
@@ -84,7 +84,7 @@ RESUME_CASES = {
 
 def _sc_psgd_exact(rank, world):
     comp = PowerSGDCompressor({"matrix_approximation_rank": 4, "warm_start": False})
-    comm = Collective(None, world)
+    comm = Collective(dp_comm(None, world))
     g = torch.Generator().manual_seed(7)
     b = torch.randn(3, 20, generator=g)  # shared row space: the DP mean has rank 3 <= 4
     mats = [torch.randn(24, 3, generator=torch.Generator().manual_seed(10 + r)) @ b
@@ -98,7 +98,7 @@ def _sc_psgd_exact(rank, world):
 
 def _sc_psgd_bytes(rank, world):
     comp = PowerSGDCompressor({"matrix_approximation_rank": 4})
-    comm = Collective(None, world)
+    comm = Collective(dp_comm(None, world))
     out = {}
     before = wire.totals()["dp"]
     comp.reduce_mean_([torch.randn(64, 48)], ["mat"], comm)
@@ -229,7 +229,7 @@ def test_powersgd_reconstructs_low_rank_world1(k):
     comp = PowerSGDCompressor({"matrix_approximation_rank": 4})
     mats = [_low_rank(32, 20, k, seed=k), _low_rank(12, 5 * 6, k, seed=k + 1).reshape(12, 5, 6)]
     outs = [t.clone() for t in mats]
-    comp.reduce_mean_(outs, ["a", "conv"], Collective(None, 1))
+    comp.reduce_mean_(outs, ["a", "conv"], Collective())
     for t, o in zip(mats, outs):
         assert o.shape == t.shape
         assert torch.allclose(o, t, atol=1e-4 * float(t.abs().max()), rtol=0)
@@ -239,7 +239,7 @@ def test_powersgd_full_rank_is_lossy_world1():
     comp = PowerSGDCompressor({"matrix_approximation_rank": 2})
     t = torch.randn(32, 20)
     out = t.clone()
-    comp.reduce_mean_([out], ["a"], Collective(None, 1))
+    comp.reduce_mean_([out], ["a"], Collective())
     assert float((out - t).norm()) > 0.1 * float(t.norm())  # it really compressed
     assert torch.allclose(comp.error["a"], t - out, atol=1e-5)  # and remembered the rest
 
@@ -260,7 +260,7 @@ def _ef_run(use_ef, steps=100):
     for _ in range(steps):
         grad = mean + 0.1 * torch.randn(24, 16, generator=g)
         out = grad.clone()
-        comp.reduce_mean_([out], ["w"], Collective(None, 1))
+        comp.reduce_mean_([out], ["w"], Collective())
         sum_true += grad
         sum_dec += out
         gaps.append(float((sum_true - sum_dec).norm()))
@@ -368,7 +368,7 @@ def test_diloco_replicas_identical_after_sync_and_drift_between(dist_suite):
 @pytest.mark.parametrize("H,F_", [(10, 4), (6, 3), (4, 4), (5, 1), (7, 2)])
 def test_streaming_schedule_every_h_steps(H, F_):
     named = [(f"p{i}", nn.Parameter(torch.zeros(i + 1))) for i in range(6)]
-    b = StreamingDiLoCo(named, None, 1, 0, {"inner_steps": H, "num_fragments": F_,
+    b = StreamingDiLoCo(named, None, {"inner_steps": H, "num_fragments": F_,
                                             "overlap": False})
     steps = 6 * H
     syncs = {f: [s for s in range(steps) if f in b.sync_schedule(s)] for f in range(F_)}
@@ -450,7 +450,7 @@ def test_stage_without_trainable_params():
     for cfg in ({"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2,
                  "overlap": False}, {"backend": "diloco", "inner_steps": 2},
                 {"backend": "powersgd"}, {"backend": "allreduce"}):
-        b = build_backend([("frozen", frozen)], None, 1, 0, cfg)
+        b = build_backend([("frozen", frozen)], None, cfg)
         for s in range(4):
             b.reduce_gradients(s)
             b.after_optimizer_step(s)
@@ -460,7 +460,7 @@ def test_stage_without_trainable_params():
 
 def test_diloco_reset_backup():
     p = nn.Parameter(torch.zeros(4))
-    b = get_backend("diloco")([("p", p)], None, 1, 0, {"inner_steps": 2})
+    b = get_backend("diloco")([("p", p)], None, {"inner_steps": 2})
     with torch.no_grad():
         p.add_(1.0)
     b.after_optimizer_step(0)
@@ -475,15 +475,15 @@ def test_diloco_reset_backup():
 def test_streaming_explicit_fragments():
     named = [(f"p{i}", nn.Parameter(torch.zeros(2))) for i in range(4)]
     cfg = {"inner_steps": 4, "num_fragments": 2, "overlap": False}
-    b = StreamingDiLoCo(named, None, 1, 0, cfg, fragments=[["p0", "p3"], ["p1", "p2"]])
+    b = StreamingDiLoCo(named, None, cfg, fragments=[["p0", "p3"], ["p1", "p2"]])
     assert b.fragments == [[0, 3], [1, 2]]
     with pytest.raises(ValueError, match="num_fragments"):
-        StreamingDiLoCo(named, None, 1, 0, cfg, fragments=[["p0", "p3"], ["p1"]])
+        StreamingDiLoCo(named, None, cfg, fragments=[["p0", "p3"], ["p1"]])
 
 
 def test_diloco_outer_nesterov_matches_torch_sgd():
     p = nn.Parameter(torch.zeros(5))
-    b = get_backend("diloco")([("p", p)], None, 1, 0, {"inner_steps": 2})
+    b = get_backend("diloco")([("p", p)], None, {"inner_steps": 2})
     ref = nn.Parameter(torch.zeros(5))
     outer = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
     g = torch.Generator().manual_seed(0)
@@ -517,20 +517,27 @@ def test_state_dict_contains_everything():
     assert sd["last_step"] == 5 and [p["fragment"] for p in sd["pending"]] == [1]
     assert set(sd["compressor"]["error"]) and set(sd["compressor"]["q"])
     with pytest.raises(ValueError, match="backend"):
-        get_backend("diloco")(list(m.named_parameters()), None, 1, 0, {}).load_state_dict(sd)
+        get_backend("diloco")(list(m.named_parameters()), None, {}).load_state_dict(sd)
 
 
 # --------------------------------------------------------------------------------------------
 # NaN/inf guard
 
+class _RecordingComm(Communicator):
+    """Two replicas without a real group: any collective is recorded (and not performed)."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce_sum(self, t, async_op=False):
+        self.calls.append(t)
+
+
 @pytest.fixture
-def fake_dp_world(monkeypatch):
-    """world_size 2 without a real group: any collective would be recorded here."""
-    calls = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))
-    return calls
+def fake_dp_world():
+    return _RecordingComm()
 
 
 @pytest.mark.parametrize("cfg", [{"backend": "allreduce"},
@@ -538,7 +545,7 @@ def fake_dp_world(monkeypatch):
                                  {"backend": "powersgd"}])
 def test_nan_guard_gradients(fake_dp_world, cfg):
     m = _toy_model()
-    b = build_backend(list(m.named_parameters()), None, 2, 0, cfg)
+    b = build_backend(list(m.named_parameters()), fake_dp_world, cfg)
     x, y = _batch(0, 0)
     F.mse_loss(m(x), y).backward()
     m[2].weight.grad[1, 3] = float("nan")
@@ -546,7 +553,7 @@ def test_nan_guard_gradients(fake_dp_world, cfg):
     with pytest.raises(NonFiniteGradientError, match=r"step 7 .*'2\.weight'") as ei:
         b.reduce_gradients(7)
     assert ei.value.step == 7 and ei.value.param_name == "2.weight"
-    assert fake_dp_world == [] and wire.totals()["dp"] == before
+    assert fake_dp_world.calls == [] and wire.totals()["dp"] == before
 
 
 @pytest.mark.parametrize("backend", ["diloco", "streaming_diloco"])
@@ -555,13 +562,13 @@ def test_nan_guard_pseudo_gradients(fake_dp_world, backend):
     cfg = {"backend": backend, "inner_steps": 2}
     if backend == "streaming_diloco":
         cfg.update(num_fragments=1, overlap=False)
-    b = build_backend(list(m.named_parameters()), None, 2, 0, cfg)
+    b = build_backend(list(m.named_parameters()), fake_dp_world, cfg)
     with torch.no_grad():
         m[0].bias[2] = float("inf")
     b.after_optimizer_step(0)  # not due
     with pytest.raises(NonFiniteGradientError, match=r"pseudo-gradient at step 1 .*'0\.bias'"):
         b.after_optimizer_step(1)
-    assert fake_dp_world == []
+    assert fake_dp_world.calls == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,7 +618,7 @@ def test_config_unknown_key_lists_allowed_and_custom_prefix():
 def test_backend_refuses_other_backend_config():
     m = _toy_model()
     with pytest.raises(ValueError, match="twocircuit.dp.backend"):
-        get_backend("diloco")(list(m.named_parameters()), None, 1, 0, {"backend": "powersgd"})
+        get_backend("diloco")(list(m.named_parameters()), None, {"backend": "powersgd"})
 
 
 def test_registry_builtins_unknown_and_third_party():
@@ -634,7 +641,7 @@ def test_registry_builtins_unknown_and_third_party():
         assert "test_halving" in registry.available_backends()
         p = nn.Parameter(torch.ones(3))
         p.grad = torch.ones(3)
-        b = build_backend([("p", p)], None, 1, 0, {"backend": "test_halving",
+        b = build_backend([("p", p)], None, {"backend": "test_halving",
                                                    "options": {"factor": 0.25}})
         b.reduce_gradients(0)
         assert torch.equal(p.grad, torch.full((3,), 0.25))

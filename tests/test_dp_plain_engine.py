@@ -10,11 +10,11 @@ pytestmark = pytest.mark.multiproc
 def _worker(rank, world, dp_cfg, steps):
     import os
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    from ds_twocircuit.dist import prepare_runtime
+    from ds_twocircuit.adapters.dist import prepare_runtime
     prepare_runtime()
     import deepspeed
     from transformers import AutoModelForCausalLM
-    from ds_twocircuit.dp.deepspeed_engine import attach_dp_backend
+    from ds_twocircuit.adapters.plain_engine import attach_dp_backend
     from ds_twocircuit.models.presets import resolve_model
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -71,7 +71,7 @@ def test_zero1_refused(tmp_path):
         def zero_optimization_stage(self):
             return 1
     from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401 (import cost only)
-    from ds_twocircuit.dp.deepspeed_engine import attach_dp_backend
+    from ds_twocircuit.adapters.plain_engine import attach_dp_backend
     with pytest.raises(ConfigError, match="zero_optimization.stage = 0"):
         attach_dp_backend(FakeEngine())
 
@@ -79,7 +79,7 @@ def test_zero1_refused(tmp_path):
 def test_fp16_with_diloco_refused():
     """DeepSpeed's fp16 optimizer would overwrite every outer update from its fp32 masters."""
     from ds_twocircuit.config import ConfigError
-    from ds_twocircuit.dp.deepspeed_engine import attach_dp_backend
+    from ds_twocircuit.adapters.plain_engine import attach_dp_backend
 
     class FakeEngine:
         config = {"twocircuit": {"dp": {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2}}}

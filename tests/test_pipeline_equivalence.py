@@ -102,7 +102,7 @@ def test_masked_pipeline_matches_single_process_reference(tmp_path, pp, dp):
 def test_clipping_uses_the_whole_models_norm(tmp_path, pp, tied):
     """Gradient clipping (every shipped config clips at 1.0) by the norm of the whole model, as
     the single-process reference and the quality study clip: DeepSpeed alone would count only
-    stage 0's parameters (models.pipe.mark_stage_parameters). ``sync``: the tied embedding held
+    stage 0's parameters (adapters.pipe_module.mark_stage_parameters). ``sync``: the tied embedding held
     by the first and last stage is counted once. SGD, so the clip factor shows in every weight."""
     path, cfg = _config(tmp_path, "m95", mask_rate=0.9, tied_embeddings=tied)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": SGD_LR}}

@@ -348,7 +348,7 @@ def test_concurrent_reader_never_sees_a_partial_entry(tmp_path):
 
 
 def test_layer_file_index_parses_any_number_of_digits():
-    from ds_twocircuit.anchor.circuit import layer_file_index
+    from ds_twocircuit.adapters.anchor_circuit import layer_file_index
     assert layer_file_index("layer_07-model_states.pt") == 7
     assert layer_file_index("layer_123-model_states.pt") == 123
     with pytest.raises(ValueError):
@@ -362,7 +362,7 @@ def _run_snapshot(store, step, run="r1"):
 
 
 def test_anchor_loads_under_a_lease_that_retention_respects(tmp_path):
-    from ds_twocircuit.anchor.circuit import pick_snapshot
+    from ds_twocircuit.adapters.anchor_circuit import pick_snapshot
     store = SnapshotStore(tmp_path, keep=1)
     _run_snapshot(store, 20)
     lease = pick_snapshot(store, "r1", -1, set(), "anchor-t")
@@ -380,7 +380,7 @@ def test_anchor_loads_under_a_lease_that_retention_respects(tmp_path):
 
 
 def test_a_bad_tag_committed_again_is_a_new_snapshot(tmp_path):
-    from ds_twocircuit.anchor.circuit import pick_snapshot
+    from ds_twocircuit.adapters.anchor_circuit import pick_snapshot
     store = SnapshotStore(tmp_path, keep=2)
     info = _run_snapshot(store, 20)
     bad = {(info.tag, info.committed_at)}   # the anchor could not read it
@@ -394,7 +394,7 @@ def test_a_bad_tag_committed_again_is_a_new_snapshot(tmp_path):
 
 
 def test_a_failing_commit_does_not_reach_the_fast_circuit(tmp_path):
-    from ds_twocircuit.anchor.circuit import commit_snapshot_safely
+    from ds_twocircuit.adapters.anchor_circuit import commit_snapshot_safely
     store = SnapshotStore(tmp_path)
     sizes = write_fake_checkpoint(store, "step00000020", 20)
     wrong = {k: v + 1 for k, v in sizes.items()}   # what a lagging network filesystem reports

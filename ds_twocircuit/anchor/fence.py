@@ -22,7 +22,7 @@ Cost: ``slots`` int32 values per fence on the DP link, one anchor staleness of `
 and no wait. A replica that has not seen a gradient yet simply does not vote for it; the others
 use it one fence later, or a newer one.
 
-Pure Python/torch: the adapter (:class:`~ds_twocircuit.anchor.circuit.AnchorLink`) does the
+Pure Python/torch: the adapter (:class:`~ds_twocircuit.adapters.anchor_circuit.AnchorLink`) does the
 store reads and the collective.
 """
 from __future__ import annotations

@@ -17,14 +17,15 @@ Invariants kept by every backend here:
     collective and raises :class:`NonFiniteGradientError` (naming the step and the parameter), so a
     NaN/inf never reaches the other replicas.
 
-Uses ``torch.distributed`` directly; no DeepSpeed import.
+Transport: a :class:`Communicator` (world size, rank, in-place sum all-reduce). The adapters
+implement it with ``torch.distributed`` (:class:`ds_twocircuit.adapters.comm.TorchComm`); nothing
+here imports ``torch.distributed`` or DeepSpeed.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist
 
 from ds_twocircuit import wire
 from ds_twocircuit.dp.config import DPConfig
@@ -92,11 +93,34 @@ def _empty_stats() -> dict:
     return {"bytes_sent": 0, "collectives": 0, "comm_s": 0.0, "hidden_comm_s": 0.0}
 
 
-class Collective:
-    """Sum all-reduce over the DP group with byte accounting; a no-op when ``world_size == 1``."""
+class Communicator:
+    """What a DP backend needs from the transport between replicas.
 
-    def __init__(self, group, world_size: int):
-        self.group, self.world_size = group, world_size
+    ``world_size`` and ``rank`` (this replica's index), and ``all_reduce_sum(t, async_op)``: sum
+    ``t`` in place over the replicas; return ``None`` when blocking, or a handle with ``wait()``
+    and ``get_future()`` (the interface of a ``torch.distributed`` work object) when ``async_op``.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
+        raise NotImplementedError
+
+
+class LocalComm(Communicator):
+    """The world of one replica: nothing to reduce."""
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
+        return None
+
+
+class Collective:
+    """Sum all-reduce over the DP replicas with byte accounting; a no-op for one replica."""
+
+    def __init__(self, comm: Communicator | None = None):
+        self.comm = comm if comm is not None else LocalComm()
+        self.world_size = self.comm.world_size
         self.stats = _empty_stats()
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False) -> Pending:
@@ -108,10 +132,10 @@ class Collective:
         self.stats["collectives"] += 1
         t0 = time.perf_counter()
         if not async_op:
-            dist.all_reduce(t, group=self.group)
+            self.comm.all_reduce_sum(t)
             self.stats["comm_s"] += time.perf_counter() - t0
             return Pending()
-        return Pending(self.stats, dist.all_reduce(t, group=self.group, async_op=True), t0)
+        return Pending(self.stats, self.comm.all_reduce_sum(t, async_op=True), t0)
 
     def pop_stats(self) -> dict:
         s, self.stats = self.stats, _empty_stats()
@@ -176,7 +200,7 @@ class DPBackend:
     ``named_params``: the parameters this rank holds (for a pipeline stage: that stage's only),
     in a fixed order that is the same on all DP ranks.  Parameters with ``requires_grad=False``
     are ignored (frozen weights stay identical on all replicas).  ``group``: the DP process group
-    (``None`` means the default group, or nothing at all when ``world_size == 1``).
+    ``comm``: the :class:`Communicator` of the DP replicas (``None``: a world of one).
     """
 
     backend_name = "base"  # set by @register_backend
@@ -185,19 +209,15 @@ class DPBackend:
     # own module weights, not only DP rank 0's).
     replicas_may_differ = False
 
-    def __init__(self, named_params, group, world_size: int, rank: int, cfg):
+    def __init__(self, named_params, comm: Communicator | None, cfg):
         self.cfg: DPConfig = DPConfig.coerce(cfg, backend=self.backend_name)
+        comm = comm if comm is not None else LocalComm()
+        world_size, rank = comm.world_size, comm.rank
         if type(world_size) is not int or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-        if world_size > 1:
-            if not dist.is_initialized():
-                raise ValueError("world_size > 1 needs torch.distributed to be initialized")
-            if dist.get_world_size(group) != world_size:
-                raise ValueError(f"DP group has {dist.get_world_size(group)} ranks, "
-                                 f"world_size says {world_size}")
-        self.group, self.world_size, self.rank = group, world_size, rank
+        self.world_size, self.rank = world_size, rank
         self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = [n for n, _ in self.named_params]
         self.params = [p for _, p in self.named_params]
@@ -205,7 +225,7 @@ class DPBackend:
             raise ValueError("named_params holds duplicate names")
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("named_params holds the same parameter twice")
-        self.comm = Collective(group, world_size)
+        self.comm = Collective(comm)
         self._step_stats: dict = {}
 
     # --- protocol ---------------------------------------------------------------------------

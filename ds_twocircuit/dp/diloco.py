@@ -80,8 +80,8 @@ class DiLoCo(DPBackend):
                              "compression", "powersgd"})
     replicas_may_differ = True
 
-    def __init__(self, named_params, group, world_size: int, rank: int, cfg, fragments=None):
-        super().__init__(named_params, group, world_size, rank, cfg)
+    def __init__(self, named_params, comm, cfg, fragments=None):
+        super().__init__(named_params, comm, cfg)
         c = self.cfg
         self.inner_steps = c.inner_steps
         self._setup_streaming(c)

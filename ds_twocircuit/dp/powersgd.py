@@ -237,8 +237,8 @@ class PowerSGD(DPBackend):
 
     config_keys = frozenset({"powersgd"})
 
-    def __init__(self, named_params, group, world_size: int, rank: int, cfg):
-        super().__init__(named_params, group, world_size, rank, cfg)
+    def __init__(self, named_params, comm, cfg):
+        super().__init__(named_params, comm, cfg)
         self.compressor = PowerSGDCompressor(self.cfg.powersgd)
 
     def reduce_gradients(self, step: int) -> None:

@@ -66,10 +66,10 @@ def get_backend(name: str) -> type:
                          + ", ".join(available_backends())) from None
 
 
-def build_backend(named_params, group, world_size: int, rank: int, cfg, **kwargs):
+def build_backend(named_params, comm, cfg, **kwargs):
     """Build the backend named by ``cfg["backend"]`` (``cfg``: the ``dp`` dict or a DPConfig);
     ``kwargs`` go to its constructor (e.g. ``fragments=`` for streaming_diloco)."""
     from ds_twocircuit.dp.config import DPConfig
 
     cfg = DPConfig.coerce(cfg)
-    return get_backend(cfg.backend)(named_params, group, world_size, rank, cfg, **kwargs)
+    return get_backend(cfg.backend)(named_params, comm, cfg, **kwargs)

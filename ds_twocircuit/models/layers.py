@@ -7,7 +7,7 @@ on a packed, unpadded batch. Modules are cloned from the HF model's own classes 
 meta device), so Llama, Qwen2 and Mistral share this code. Each layer knows its HF key prefix,
 which makes loading and saving ``save_pretrained`` folders a key rename.
 
-Pure torch + transformers; the DeepSpeed ``PipelineModule`` wrapper lives in ``pipe.py``.
+Pure torch + transformers; the DeepSpeed ``PipelineModule`` wrapper lives in ``adapters/pipe_module.py``.
 """
 from __future__ import annotations
 

@@ -10,14 +10,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def main(cfg_path, out, steps, seq):
-    from ds_twocircuit.dist import init_world, prepare_runtime
+    from ds_twocircuit.adapters.dist import init_world, prepare_runtime
     prepare_runtime()
     world = init_world(0)
     import deepspeed
     from transformers import AutoTokenizer
     from ds_twocircuit.data import MicroBatchStream, PackedSequences, load_documents, split_documents
     from ds_twocircuit.models.layers import ModelSpec
-    from ds_twocircuit.models.pipe import build_pipeline, stage_hf_state
+    from ds_twocircuit.adapters.pipe_module import build_pipeline, stage_hf_state
     from ds_twocircuit.models.presets import resolve_model
 
     cfg = json.load(open(cfg_path))

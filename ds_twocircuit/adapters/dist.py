@@ -135,7 +135,7 @@ def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
 def supervise(argv) -> int:
     """Run the anchor worker as a child process; never fail the launch because of it."""
     env = dict(os.environ, **{CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "ds_twocircuit.anchor.worker", *argv]
+    cmd = [sys.executable, "-m", "ds_twocircuit.adapters.anchor_worker", *argv]
     child = subprocess.Popen(cmd, env=env)
     pidfile = os.environ.get("DS_TWOCIRCUIT_ANCHOR_PIDFILE")
 
@@ -152,3 +152,12 @@ def supervise(argv) -> int:
         print(f"[ds_twocircuit] anchor worker (global rank {os.environ.get('RANK')}) ended with code {rc}; "
               "the fast circuit is unaffected", file=sys.stderr, flush=True)
     return 0
+
+
+def census_store(prefix: str, timeout_s: float = 10.0):
+    """A client of the launcher's store of its own (the process group's client serialises its
+    operations, so a blocked ``wait`` there would stall everything else)."""
+    import torch.distributed as dist
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(prefix, client)

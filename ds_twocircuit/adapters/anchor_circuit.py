@@ -31,11 +31,11 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
 from .. import wire
-from ..dist import from_comm, to_comm
-from ..engine import MaskedPipelineEngine
-from .fence import AnchorFence
-from .spectral import SpectralCorrection
-from .store import SnapshotStore
+from .dist import from_comm, to_comm
+from .pipeline_engine import MaskedPipelineEngine
+from ..anchor.fence import AnchorFence
+from ..anchor.spectral import SpectralCorrection
+from ..anchor.store import SnapshotStore
 
 DONE = "FAST_DONE"
 RUN = "RUN"
@@ -102,7 +102,7 @@ def wrap_optimizer(optimizer, module, plan):
     if not targets:
         return optimizer
     if plan.tc.anchor.correction == "delayed_ef":
-        from .corrections import DelayedErrorFeedback
+        from ..anchor.corrections import DelayedErrorFeedback
         a = plan.tc.anchor
         return DelayedErrorFeedback(optimizer, targets, every=a.every, lam=a.ef_lambda, beta=a.ef_beta,
                                     seed=plan.args.seed)
@@ -327,7 +327,8 @@ def run_anchor(plan, world) -> int:
 
     from ..data import MicroBatchStream, PackedSequences
     from ..dp.registry import get_backend
-    from ..models.pipe import build_pipeline
+    from .comm import dp_comm
+    from .pipe_module import build_pipeline
 
     args, tc = plan.args, plan.tc
     z_rank_world = world.rank
@@ -343,8 +344,7 @@ def run_anchor(plan, world) -> int:
                                   config=ds, config_class=DeepSpeedConfig(copy.deepcopy(ds), mpu))
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     zgroup = engine.grid.get_data_parallel_group()
-    backend = get_backend("allreduce")(named, zgroup if plan.z > 1 else None, plan.z,
-                                       engine.grid.get_data_parallel_id(), {"backend": "allreduce"})
+    backend = get_backend("allreduce")(named, dp_comm(zgroup, plan.z), {"backend": "allreduce"})
     atc = copy.deepcopy(tc)
     atc.mode = "dense"
     engine.pipeline_enable_backward_allreduce = False

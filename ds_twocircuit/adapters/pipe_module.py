@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from .layers import (DecoderPipe, EmbedPipe, HeadPipe, ModelSpec, NormPipe, PIPE_LAYER_TYPES,
+from ..models.layers import (DecoderPipe, EmbedPipe, HeadPipe, ModelSpec, NormPipe, PIPE_LAYER_TYPES,
                      WeightReader, causal_lm_loss, hf_state_of, load_layer_weights,
                      tied_head_forward)
 

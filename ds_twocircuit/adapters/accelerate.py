@@ -5,7 +5,7 @@ Hugging Face pipeline is the data-parallel part: PowerSGD, DiLoCo, Streaming DiL
 ``"twocircuit": {"dp": {...}}`` section into the DeepSpeed JSON your ``accelerate config`` points
 to, then, after ``accelerator.prepare(...)``::
 
-    from ds_twocircuit.accelerate import enable_dp_compression
+    from ds_twocircuit.adapters.accelerate import enable_dp_compression
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     enable_dp_compression(accelerator)
 
@@ -15,7 +15,7 @@ syncs are finished and the replicas hold one model before you save it.
 """
 from __future__ import annotations
 
-from .dp.deepspeed_engine import attach_dp_backend
+from .plain_engine import attach_dp_backend
 
 
 def _engine(accelerator):

@@ -16,8 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
-from .faults import COMMITTED, STATE_DIR, is_committed, maybe_inject, newest_committed
+from ..config import ConfigError
+from ..faults import COMMITTED, STATE_DIR, is_committed, maybe_inject, newest_committed
 
 
 def _rank_file(ckpt_dir: str, tag: str, stage: int, dp_rank: int) -> str:

@@ -9,13 +9,14 @@ gradient clipping sees the synchronised gradient), ``after_optimizer_step`` righ
     engine, opt, _, _ = deepspeed.initialize(model=model, config="ds.json", ...)
     attach_dp_backend(engine)            # reads "twocircuit": {"dp": {...}} from the config
 
-Accelerate: ``ds_twocircuit.accelerate.enable_dp_compression(accelerator)`` after ``prepare``.
+Accelerate: ``ds_twocircuit.adapters.accelerate.enable_dp_compression(accelerator)`` after ``prepare``.
 """
 from __future__ import annotations
 
 from ..config import ConfigError
-from .config import DPConfig
-from .registry import get_backend
+from ..dp.config import DPConfig
+from ..dp.registry import get_backend
+from .comm import dp_comm
 
 
 # after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
@@ -56,12 +57,9 @@ def attach_dp_backend(engine, dp: dict | None = None):
         raise ConfigError(FP16_DILOCO.format(backend=cfg.backend))
     if not engine.managed_gradient_accumulation():
         raise ConfigError("twocircuit.dp needs DeepSpeed's managed gradient accumulation")
-    group = groups._get_data_parallel_group()
-    world = engine.dp_world_size
-    import torch.distributed as dist
-    rank = dist.get_rank(group) if world > 1 else 0
+    comm = dp_comm(groups._get_data_parallel_group(), engine.dp_world_size)
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    backend = get_backend(cfg.backend)(named, group if world > 1 else None, world, rank, cfg)
+    backend = get_backend(cfg.backend)(named, comm, cfg)
     engine.enable_backward_allreduce = False
     original = engine._take_model_step
 

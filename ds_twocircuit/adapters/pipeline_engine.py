@@ -19,8 +19,8 @@ import torch
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from . import masks, wire
-from .codec import DenseCodec, Message, make_codec
+from .. import masks, wire
+from ..codec import DenseCodec, Message, make_codec
 
 EVAL_STEP_OFFSET = masks.EVAL_STEP_OFFSET  # eval_batch keys live apart from training keys
 META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
