@@ -31,6 +31,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
 from .. import wire
+from ..files import atomic_write_text
 from .dist import from_comm, to_comm
 from .pipeline_engine import MaskedPipelineEngine
 from ..anchor.fence import AnchorFence
@@ -40,15 +41,6 @@ from ..anchor.store import SnapshotStore
 DONE = "FAST_DONE"
 RUN = "RUN"
 UP = "ANCHOR_UP"
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _read(path: str) -> str | None:
@@ -169,7 +161,7 @@ class AnchorLink:
             except FileNotFoundError:
                 pass
             box = [uuid.uuid4().hex[:12]]
-            _write_atomic(os.path.join(self.store.root, RUN), box[0])
+            atomic_write_text(os.path.join(self.store.root, RUN), box[0])
             wait = plan.tc.anchor.startup_wait_s
             if wait < 0:
                 wait = 120.0 if plan.anchor_ranks else 0.0
@@ -301,7 +293,7 @@ class AnchorLink:
             self._vote[0].wait()
             self._vote = None
         if self.world.rank == 0:
-            _write_atomic(os.path.join(self.store.root, DONE), self.run_id)
+            atomic_write_text(os.path.join(self.store.root, DONE), self.run_id)
         vec = torch.tensor([self.updates, sum(self.staleness), len(self.staleness), self.wait_s,
                             self.publish_s, self.refresh_s], dtype=torch.float64)
         # stats of the stage with the fewest updates (stages consume independently)
@@ -374,7 +366,7 @@ def run_anchor(plan, world) -> int:
                 current_run, last_step = run_id, -1
                 bad.clear()
                 if run_id is not None:
-                    _write_atomic(os.path.join(store.root, UP), run_id)
+                    atomic_write_text(os.path.join(store.root, UP), run_id)
             done = run_id is not None and _read(os.path.join(store.root, DONE)) == run_id
             lease = pick_snapshot(store, run_id, last_step, bad, reader_id) if run_id is not None else None
             if lease is not None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..files import atomic_write, atomic_write_json
 from ..faults import COMMITTED, STATE_DIR, is_committed, maybe_inject, newest_committed
 
 
@@ -57,17 +58,13 @@ def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
         "codec": ({"out": engine.codec_out.state_dict(), "in": engine.codec_in.state_dict()}
                   if getattr(engine.codec_out, "stateful", False) else None),
     }
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f), binary=True)
     maybe_inject(fault, "kill-in-checkpoint", dist.get_rank(), engine.global_steps)
     dist.barrier()
     if dist.get_rank() == 0:
-        marker = os.path.join(ckpt_dir, tag, STATE_DIR, COMMITTED)
-        with open(marker + ".tmp", "w") as f:
-            json.dump({"global_steps": engine.global_steps, "pp": engine.num_stages,
-                       "dp": engine.dp_world_size, "backend": engine.tc.dp_config.backend}, f)
-        os.replace(marker + ".tmp", marker)
+        atomic_write_json(os.path.join(ckpt_dir, tag, STATE_DIR, COMMITTED),
+                          {"global_steps": engine.global_steps, "pp": engine.num_stages,
+                           "dp": engine.dp_world_size, "backend": engine.tc.dp_config.backend})
     dist.barrier()
     return os.path.join(ckpt_dir, tag)
 

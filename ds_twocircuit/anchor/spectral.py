@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import math
 import warnings
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 import torch
+
+from ds_twocircuit.rng import derived_generator
 
 TAU_MODES = ("absolute", "relative")
 SVD_MODES = ("full", "randomized")
@@ -68,11 +69,13 @@ def filter_strengths(singular_values: torch.Tensor, tau: float, tau_mode: str = 
     return torch.where(denom > 0, s / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(s))
 
 
-def spectral_filter(grad: torch.Tensor, U: torch.Tensor, d: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """``U diag(d) (U^T grad V) diag(d) V^T`` in O(n m r) (grad: n x m, U: n x r, V: m x r)."""
-    core = (U.T @ grad) @ V
-    core = core * d[:, None] * d[None, :]
-    return (U @ core) @ V.T
+def spectral_filter(grad: torch.Tensor, U: torch.Tensor, d: torch.Tensor, V: torch.Tensor,
+                    core: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``U diag(d) (U^T grad V) diag(d) V^T`` in O(n m r) (grad: n x m, U: n x r, V: m x r).
+    ``core``: ``U^T grad V`` when the caller already has it (it is not modified)."""
+    if core is None:
+        core = (U.T @ grad) @ V
+    return (U @ (core * d[:, None] * d[None, :])) @ V.T
 
 
 def thin_svd(matrix: torch.Tensor, rank: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -326,8 +329,7 @@ class SpectralCorrection(torch.optim.Optimizer):
         self.svd_refreshes += 1
         if self.svd == "full":
             return thin_svd(matrix, self.svd_rank)
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + arrivals) % (2 ** 63))
+        gen = derived_generator(self.seed, name, arrivals)
         return randomized_svd(matrix, self.svd_rank, self.svd_oversample, self.svd_niter, gen)
 
     # --- the step -------------------------------------------------------------------------------
@@ -379,7 +381,7 @@ class SpectralCorrection(torch.optim.Optimizer):
                     rows.append(self._diagnostic_row(G, core_k, None, d))
                 continue
             core = (st.U.T @ G) @ st.V
-            G_filt = (st.U @ (core * d[:, None] * d[None, :])) @ st.V.T
+            G_filt = spectral_filter(G, st.U, d, st.V, core=core)
             G_use = G_filt.mul_(1.0 - self.alpha).add_(G, alpha=self.alpha)
             if self.anchor_mix > 0.0:
                 # the anchor prior itself: the (stale) dense-gradient EMA, scaled to the masked

@@ -42,7 +42,6 @@ import os
 import shutil
 import socket
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from ds_twocircuit import wire
+from ds_twocircuit.files import atomic_write, atomic_write_json
 
 COMMITTED = "COMMITTED.json"
 RETIRED = "RETIRED.json"
@@ -66,45 +66,6 @@ class StoreWarning(UserWarning):
 # ------------------------------------------------------------------------------------------------
 # Atomic file helpers
 # ------------------------------------------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass            # some filesystems cannot fsync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None], binary: bool = False) -> None:
-    """Write ``path`` via a temp file in the same folder, fsync, ``os.replace``, fsync the folder."""
-    tmp = _temp_name(path)
-    try:
-        with open(tmp, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    _atomic_write(path, lambda f: json.dump(obj, f, indent=1, sort_keys=True))
-
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -306,8 +267,8 @@ class SnapshotStore:
         retired = tag_dir / RETIRED
         if retired.exists():
             retired.unlink()
-        _atomic_write_json(tag_dir / COMMITTED, record)
-        _atomic_write_json(self.root / LATEST, {"tag": tag, "step": int(step)})
+        atomic_write_json(tag_dir / COMMITTED, record)
+        atomic_write_json(self.root / LATEST, {"tag": tag, "step": int(step)})
         wire.count("anchor", total)
         self.prune_snapshots()
         return _info_from_record(tag_dir, record)
@@ -379,7 +340,7 @@ class SnapshotStore:
             exclude.add(info.tag)
 
     def _write_lease(self, path: Path, tag: str, reader_id: str) -> None:
-        _atomic_write_json(path, {"tag": tag, "reader_id": reader_id, "host": socket.gethostname(),
+        atomic_write_json(path, {"tag": tag, "reader_id": reader_id, "host": socket.gethostname(),
                                   "pid": os.getpid(), "time": self.clock()})
 
     def _live_leases(self, tag: str) -> list[Path]:
@@ -497,7 +458,7 @@ class SnapshotStore:
         if newest is None:
             (self.root / LATEST).unlink(missing_ok=True)
         else:
-            _atomic_write_json(self.root / LATEST, {"tag": newest.tag, "step": newest.step})
+            atomic_write_json(self.root / LATEST, {"tag": newest.tag, "step": newest.step})
 
     # ==========================================================================================
     # Anchor gradients
@@ -522,13 +483,13 @@ class SnapshotStore:
         pt_path, marker = self._grad_paths(source_step, stage)
         pt_path.parent.mkdir(parents=True, exist_ok=True)
         marker.unlink(missing_ok=True)                   # re-publish: never pair an old marker with a new file
-        _atomic_write(pt_path, lambda f: torch.save(payload, f), binary=True)
+        atomic_write(pt_path, lambda f: torch.save(payload, f), binary=True)
         size = pt_path.stat().st_size
         record = {"format": _FORMAT, "source_step": source_step, "stage": stage, "batch_id": batch_id,
                   "file": pt_path.name, "size": size, "committed_at": self.clock()}
         if self.checksums:
             record["sha256"] = _sha256(pt_path)
-        _atomic_write_json(marker, record)
+        atomic_write_json(marker, record)
         wire.count("anchor", size)
         self.prune_gradients()
         return pt_path

@@ -242,14 +242,38 @@ class DPBackend:
 
     def finalize(self) -> bool:
         """End of training: finish in-flight syncs, then, for backends whose replicas drift
-        between syncs, average the live weights once so that every replica holds (and saves) the
-        same model. Returns True if the live parameters changed."""
+        between syncs, average the drifted parameters once, exactly (plain all-reduce in fp32, no
+        compression, no outer step), so that every replica holds and saves the same model.
+        Returns True if the live parameters changed. The one averaging path of every backend:
+        a backend says what drifted (:meth:`_drifted_groups`) and what to do after
+        (:meth:`_after_final_average`)."""
         changed = self.flush()
-        if self.replicas_may_differ and self.world_size > 1:
+        if not self.replicas_may_differ or self.world_size <= 1:
+            return changed
+        groups = self._drifted_groups()
+        for g, idx in enumerate(groups):
+            live = [self.params[i].detach() for i in idx]
+            exact = [t.to(torch.float32) for t in live]  # the same tensor when already fp32
+            check_finite(self._final_step(), [self.names[i] for i in idx], exact, what="final weight")
+            CoalescedMean(exact, self.comm).wait()
             with torch.no_grad():
-                CoalescedMean([p.data for p in self.params], self.comm).wait()
-            changed = True
-        return changed
+                for t, e in zip(live, exact):
+                    if t is not e:
+                        t.copy_(e)
+            self._after_final_average(g, idx)
+        return changed or bool(groups)
+
+    def _drifted_groups(self) -> list[list[int]]:
+        """Indices (into ``params``) of the parameters that may differ between replicas now, one
+        list per all-reduce bucket group; default: all of them in one group."""
+        return [list(range(len(self.params)))] if self.params else []
+
+    def _after_final_average(self, group: int, idx: list[int]) -> None:
+        """Hook: group number ``group`` of :meth:`_drifted_groups` (parameters ``idx``) now holds
+        the replicas' exact average."""
+
+    def _final_step(self) -> int:
+        return -1
 
     def state_dict(self) -> dict:
         return {"backend": self.backend_name, "names": list(self.names)}

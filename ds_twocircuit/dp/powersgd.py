@@ -28,13 +28,13 @@ as PyTorch does.  No DeepSpeed import.
 """
 from __future__ import annotations
 
-import zlib
 
 import torch
 
 from ds_twocircuit.dp.base import CoalescedMean, Collective, DPBackend, check_finite
 from ds_twocircuit.dp.config import PowerSGDConfig
 from ds_twocircuit.dp.registry import register_backend
+from ds_twocircuit.rng import derived_generator
 
 
 def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -94,9 +94,7 @@ class PowerSGDCompressor:
                              False, restored=state)
 
     def _initial_q(self, key: str, m: int, r: int, device) -> torch.Tensor:
-        seed = (self.cfg.random_seed * 1_000_003 + zlib.crc32(key.encode()) * 7919
-                + self.rounds) % (2 ** 62)
-        g = torch.Generator().manual_seed(seed)
+        g = derived_generator(self.cfg.random_seed, key, self.rounds)
         return torch.randn(m, r, generator=g, dtype=torch.float32).to(device)
 
     def pop_stats(self) -> dict:
