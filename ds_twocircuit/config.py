@@ -11,62 +11,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A bad setting; the message names the key (or file) and what is allowed."""
-
-
-def _check_keys(d: dict, allowed: set[str], prefix: str) -> None:
-    if not isinstance(d, dict):
-        raise ConfigError(f"{prefix} must be a JSON object, got {type(d).__name__}")
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; allowed keys under {prefix}: "
-                          f"{', '.join(sorted(allowed))}")
+from .configkit import (ConfigError, check_choice, check_int, check_keys, check_range,  # noqa: F401
+                        typed_fields)
+from .dp.config import DPConfig
 
 
-def _typed(value, typ, key):
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if typ in (float, str) and not isinstance(value, typ):
-        raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}")
-    return value
-
-
-def _from_dict(cls, d: dict | None, prefix: str):
-    d = {} if d is None else d
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    _check_keys(d, set(fields), prefix)
-    kwargs = {}
-    for name, value in d.items():
-        f = fields[name]
-        typ = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool,
-                                                        "str": str}.get(str(f.type))
-        kwargs[name] = _typed(value, typ, f"{prefix}.{name}") if typ else value
-    obj = cls(**kwargs)
+def _build(cls, d: dict | None, prefix: str, **given):
+    """``cls`` from JSON object ``d`` (keys and scalar types checked), then validated."""
+    obj = cls(**typed_fields(cls, d, prefix), **given)
     obj.validate(prefix)
     return obj
 
 
-def _range(value, lo, hi, key, lo_open=False, hi_open=False):
-    ok_lo = value > lo if lo_open else value >= lo
-    ok_hi = value < hi if hi_open else value <= hi
-    if not (ok_lo and ok_hi):
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise ConfigError(f"{key} = {value!r} is outside the allowed range {lb}{lo}, {hi}{rb}")
-
-
-def _choice(value, allowed, key):
-    if value not in allowed:
-        raise ConfigError(f"{key} = {value!r}; allowed: {', '.join(map(str, allowed))}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class SpectralConfig:
     """Spectral correction of masked gradients with the SVD of an EMA of anchor gradients."""
     alpha: float = 0.3
@@ -82,18 +39,18 @@ class SpectralConfig:
                                       # zero (the formula taken literally: M starts at 0)
 
     def validate(self, p):
-        _range(self.alpha, 0.0, 1.0, f"{p}.alpha")
-        _range(self.tau, 0.0, float("inf"), f"{p}.tau", lo_open=True)
-        _range(self.beta, 0.0, 1.0, f"{p}.beta", hi_open=True)
-        _choice(self.tau_mode, ("absolute", "relative"), f"{p}.tau_mode")
-        _choice(self.svd, ("full", "randomized"), f"{p}.svd")
-        _range(self.svd_rank, 0, 1 << 20, f"{p}.svd_rank")
-        _range(self.topk_diag, 1, 1 << 20, f"{p}.topk_diag")
-        _choice(self.ema_init, ("bias_corrected", "first", "zero"), f"{p}.ema_init")
-        _range(self.anchor_mix, 0.0, 100.0, f"{p}.anchor_mix")
+        check_range(self.alpha, f"{p}.alpha", 0.0, 1.0)
+        check_range(self.tau, f"{p}.tau", 0.0, float("inf"), lo_open=True)
+        check_range(self.beta, f"{p}.beta", 0.0, 1.0, hi_open=True)
+        check_choice(self.tau_mode, ("absolute", "relative"), f"{p}.tau_mode")
+        check_choice(self.svd, ("full", "randomized"), f"{p}.svd")
+        check_range(self.svd_rank, f"{p}.svd_rank", 0, 1 << 20)
+        check_range(self.topk_diag, f"{p}.topk_diag", 1, 1 << 20)
+        check_choice(self.ema_init, ("bias_corrected", "first", "zero"), f"{p}.ema_init")
+        check_range(self.anchor_mix, f"{p}.anchor_mix", 0.0, 100.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AnchorConfig:
     """The anchor circuit: Z unmasked pipeline replicas on stale snapshots."""
     enabled: bool = False
@@ -113,16 +70,16 @@ class AnchorConfig:
     spectral: SpectralConfig = field(default_factory=SpectralConfig)
 
     def validate(self, p):
-        _range(self.every, 1, 1 << 30, f"{p}.every")
-        _range(self.keep, 1, 1000, f"{p}.keep")
-        _range(self.replicas, 0, 1024, f"{p}.replicas")
-        _choice(self.consume, ("scheduled", "arrival"), f"{p}.consume")
-        _choice(self.correction, ("spectral", "delayed_ef"), f"{p}.correction")
-        _range(self.ef_lambda, 0.0, 100.0, f"{p}.ef_lambda")
-        _range(self.ef_beta, 0.0, 1.0, f"{p}.ef_beta", hi_open=True)
+        check_range(self.every, f"{p}.every", 1, 1 << 30)
+        check_range(self.keep, f"{p}.keep", 1, 1000)
+        check_range(self.replicas, f"{p}.replicas", 0, 1024)
+        check_choice(self.consume, ("scheduled", "arrival"), f"{p}.consume")
+        check_choice(self.correction, ("spectral", "delayed_ef"), f"{p}.correction")
+        check_range(self.ef_lambda, f"{p}.ef_lambda", 0.0, 100.0)
+        check_range(self.ef_beta, f"{p}.ef_beta", 0.0, 1.0, hi_open=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CodecConfig:
     """State of the ``meanfill`` and ``lowrank`` codecs (``statecodecs.py``)."""
     groups: list = field(default_factory=lambda: [[16, 8], [184, 4]])  # lowrank: [count, bits] of
@@ -143,15 +100,17 @@ class CodecConfig:
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.refresh_steps)):
             raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
                               f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
-        _range(self.refresh_every, 0, 1 << 30, f"{p}.refresh_every")
-        _choice(self.coef_norm, LowRankCodec.COEF_NORMS, f"{p}.coef_norm")
+        check_range(self.refresh_every, f"{p}.refresh_every", 0, 1 << 30)
+        check_choice(self.coef_norm, LowRankCodec.COEF_NORMS, f"{p}.coef_norm")
 
 
 CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TwoCircuitConfig:
+    """The ``twocircuit`` section, read once (``from_dict``) and never written; a changed copy is
+    made with ``dataclasses.replace``."""
     mode: str = "random"            # random (the method) | topk (ablation) | dense (stock) |
                                     # meanfill | lowrank (codecs with state, see statecodecs.py)
     mask_rate: float = 0.95         # p: fraction of channels dropped at each boundary
@@ -162,30 +121,23 @@ class TwoCircuitConfig:
     mask_seed: int | None = None    # run seed of the PRF (None: the --seed flag)
     partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
-    dp: dict = field(default_factory=dict)
+    dp: DPConfig = field(default_factory=DPConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
     def validate(self, p="twocircuit"):
-        _choice(self.mode, CODEC_MODES, f"{p}.mode")
+        check_choice(self.mode, CODEC_MODES, f"{p}.mode")
         if self.mode == "lowrank" and (self.warmup_steps or self.ramp_steps or self.rescale):
             raise ConfigError(f"{p}.warmup_steps / ramp_steps / rescale act on the PRF mask; they do not "
                               f"apply to {p}.mode = 'lowrank' (set them to 0 / false)")
-        _range(self.mask_rate, 0.0, 1.0, f"{p}.mask_rate", hi_open=True)
-        _range(self.warmup_steps, 0, 1 << 30, f"{p}.warmup_steps")
-        _range(self.ramp_steps, 0, 1 << 30, f"{p}.ramp_steps")
-        _choice(self.wire_dtype, ("auto", "fp32", "bf16", "fp16"), f"{p}.wire_dtype")
-        _choice(self.partition, ("balanced", "type", "uniform"), f"{p}.partition")
-        _choice(self.tied_embeddings, ("untie", "sync", "freeze"), f"{p}.tied_embeddings")
+        check_range(self.mask_rate, f"{p}.mask_rate", 0.0, 1.0, hi_open=True)
+        check_range(self.warmup_steps, f"{p}.warmup_steps", 0, 1 << 30)
+        check_range(self.ramp_steps, f"{p}.ramp_steps", 0, 1 << 30)
+        check_choice(self.wire_dtype, ("auto", "fp32", "bf16", "fp16"), f"{p}.wire_dtype")
+        check_choice(self.partition, ("balanced", "type", "uniform"), f"{p}.partition")
+        check_choice(self.tied_embeddings, ("untie", "sync", "freeze"), f"{p}.tied_embeddings")
         if self.mode == "topk" and self.mask_rate == 0.0:
             raise ConfigError(f"{p}.mask_rate must be > 0 with {p}.mode = 'topk'")
-        from .dp.config import DPConfig  # validated here so errors come before any process group
-        try:
-            self.dp_config = DPConfig.from_dict(self.dp, prefix=f"{p}.dp")
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
     @property
     def effective_mask_rate(self) -> float:
@@ -193,25 +145,22 @@ class TwoCircuitConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, prefix: str = "twocircuit") -> "TwoCircuitConfig":
+        check_keys({} if d is None else d, {f.name for f in dataclasses.fields(cls)}, prefix)
         d = dict(d or {})
-        anchor = d.pop("anchor", None)
-        codec = d.pop("codec", None)
-        spectral = (anchor or {}).get("spectral") if isinstance(anchor, dict) else None
-        if anchor is not None:
-            _check_keys(anchor, {f.name for f in dataclasses.fields(AnchorConfig)}, f"{prefix}.anchor")
-            anchor = {k: v for k, v in anchor.items() if k != "spectral"}
-        if "mask_seed" in d and d["mask_seed"] is not None:
-            _typed(d["mask_seed"], int, f"{prefix}.mask_seed")
-        if "dp" in d and not isinstance(d["dp"], dict):
-            raise ConfigError(f"{prefix}.dp must be a JSON object")
-        obj = _from_dict(cls, d, prefix)
-        obj.codec = _from_dict(CodecConfig, codec, f"{prefix}.codec")
-        obj.anchor = _from_dict(AnchorConfig, anchor, f"{prefix}.anchor")
-        obj.anchor.spectral = _from_dict(SpectralConfig, spectral, f"{prefix}.anchor.spectral")
-        return obj
+        anchor, codec, dp = d.pop("anchor", None), d.pop("codec", None), d.pop("dp", None)
+        anchor = dict(anchor) if isinstance(anchor, dict) else anchor
+        spectral = anchor.pop("spectral", None) if isinstance(anchor, dict) else None
+        if d.get("mask_seed") is not None:
+            check_int(d["mask_seed"], f"{prefix}.mask_seed")
+        anchor_cfg = _build(AnchorConfig, anchor, f"{prefix}.anchor",
+                            spectral=_build(SpectralConfig, spectral, f"{prefix}.anchor.spectral"))
+        # the DP section is validated here too: errors come before any process group
+        return _build(cls, d, prefix, codec=_build(CodecConfig, codec, f"{prefix}.codec"),
+                      anchor=anchor_cfg, dp=DPConfig.from_dict(dp, prefix=f"{prefix}.dp"))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["dp"] = self.dp.to_dict()
         return d
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,8 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load_ds_config, resolve_config
 
@@ -111,8 +114,38 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 # Validation and planning: everything that can be wrong is found here, before any process group.
 
+@dataclass(frozen=True)
 class Plan:
-    pass
+    """Everything a run needs, found and checked before any process group exists; never written
+    after :func:`make_plan` (what changes while training lives in :class:`Progress`)."""
+    args: argparse.Namespace            # the parsed flags (``config`` resolved to a file)
+    config_name: str                    # the config file's stem: runs/<config_name> by default
+    tc: TwoCircuitConfig                # the "twocircuit" section, flag overrides applied
+    ds_config: dict                     # the DeepSpeed section (batch sizes filled in)
+    pp: int                             # pipeline stages
+    dp: int                             # data-parallel replicas of the fast circuit
+    z: int                              # anchor replicas (each of pp ranks)
+    anchor_ranks: int                   # ranks of the launch held by the anchor circuit
+    model_folder: str
+    spec: Any                           # models.layers.ModelSpec
+    parts: Any                          # layer boundaries of the stages
+    train_docs: list
+    heldout_docs: list
+    mb: int                             # micro-batch size per rank
+    gas: int                            # micro-batches per step
+    optimizer: tuple                    # (torch.optim class name, its keyword arguments)
+    ckpt_policy: Any                    # faults.CheckpointPolicy
+    fault: Any                          # faults.Fault to inject, or None
+    output_dir: str
+
+
+@dataclass
+class Progress:
+    """What changes while the fast circuit trains (for the lost-peer report and checkpoints)."""
+    census: Any = None                  # faults.PeerCensus answering on the launcher's store
+    step_now: int | None = None         # steps done so far
+    phase: str | None = None            # what the run was doing, when not a training step
+    committed_steps: list = field(default_factory=list)
 
 
 def _batch_setting(ds: dict, key: str, flag_value, default: int, path: str) -> int:
@@ -129,18 +162,16 @@ def make_plan(args, world_size: int) -> Plan:
     from .models.layers import ModelSpec
     from .models.presets import resolve_model
 
-    plan = Plan()
-    plan.args = args
     args.config = resolve_config(args.config)
     ds = load_ds_config(args.config)
-    plan.config_name = os.path.splitext(os.path.basename(args.config))[0]
+    config_name = os.path.splitext(os.path.basename(args.config))[0]
     tc = TwoCircuitConfig.from_dict(ds.pop("twocircuit", {}))
-    plan.tc = tc
-
+    anchor = tc.anchor
     if args.anchor_store:
-        tc.anchor.store = args.anchor_store
-    if args.anchor_replicas is not None and args.anchor_replicas > 0:
-        tc.anchor.enabled = True
+        anchor = dataclasses.replace(anchor, store=args.anchor_store)
+    if (args.anchor_replicas is not None and args.anchor_replicas > 0) or args.anchor_only:
+        anchor = dataclasses.replace(anchor, enabled=True)
+    tc = dataclasses.replace(tc, anchor=anchor)
     z = args.anchor_replicas if args.anchor_replicas is not None else (
         tc.anchor.replicas if tc.anchor.enabled else 0)
     if z < 0:
@@ -149,11 +180,10 @@ def make_plan(args, world_size: int) -> Plan:
     if args.anchor_only:
         if world_size % pp:
             raise ConfigError(f"--anchor-only: {world_size} processes are not a multiple of --pp {pp}")
-        tc.anchor.enabled = True
-        z, plan.anchor_ranks, dp = world_size // pp, world_size, args.dp or 1
+        z, anchor_ranks, dp = world_size // pp, world_size, args.dp or 1
     else:
-        plan.anchor_ranks = z * pp
-        fast = world_size - plan.anchor_ranks
+        anchor_ranks = z * pp
+        fast = world_size - anchor_ranks
         if fast < pp or fast % pp:
             raise ConfigError(f"{world_size} processes cannot hold pp={pp} fast stages"
                               + (f" plus {z} anchor replica(s) of {pp} ranks" if z else "")
@@ -161,14 +191,12 @@ def make_plan(args, world_size: int) -> Plan:
         dp = args.dp or fast // pp
         if dp * pp != fast:
             raise ConfigError(f"--dp {dp} x --pp {pp} = {dp * pp} but {fast} fast ranks were launched "
-                              f"({world_size} processes{f', {plan.anchor_ranks} anchor ranks' if z else ''})")
-    plan.pp, plan.dp, plan.z = pp, dp, z
+                              f"({world_size} processes{f', {anchor_ranks} anchor ranks' if z else ''})")
     check_deepspeed_section(ds, pp, args.config)
 
-    plan.model_folder = resolve_model(args.model)
-    spec = ModelSpec(plan.model_folder)
-    plan.spec = spec
-    plan.parts = spec.parts(pp, tc.partition)  # raises on more stages than layers
+    model_folder = resolve_model(args.model)
+    spec = ModelSpec(model_folder)
+    parts = spec.parts(pp, tc.partition)  # raises on more stages than layers
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
     if spec.max_positions and args.seq_len > spec.max_positions:
@@ -183,12 +211,12 @@ def make_plan(args, world_size: int) -> Plan:
     if not args.peer_timeout > 0:
         raise ConfigError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     from .faults import FAULT_ENV, CheckpointPolicy, parse_fault
-    plan.ckpt_policy = CheckpointPolicy(args.save_interval, args.save_interval_minutes, args.keep_checkpoints)
-    plan.fault = parse_fault(os.environ.get(FAULT_ENV))
+    ckpt_policy = CheckpointPolicy(args.save_interval, args.save_interval_minutes, args.keep_checkpoints)
+    fault = parse_fault(os.environ.get(FAULT_ENV))
 
     docs = load_documents(args.data)
-    plan.train_docs, plan.heldout_docs = split_documents(docs)
-    if not plan.train_docs:
+    train_docs, heldout_docs = split_documents(docs)
+    if not train_docs:
         raise ConfigError(f"--data {args.data!r}: no training documents left after the held-out split")
 
     mb = _batch_setting(ds, "train_micro_batch_size_per_gpu", args.micro_batch_size, 2, args.config)
@@ -203,7 +231,6 @@ def make_plan(args, world_size: int) -> Plan:
     ds["train_batch_size"] = mb * gas * dp
     ds.setdefault("steps_per_print", 10 ** 9)
     ds.setdefault("wall_clock_breakdown", False)
-    plan.mb, plan.gas = mb, gas
 
     opt = ds.pop("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
     otype = str(opt.get("type", "AdamW"))
@@ -213,27 +240,29 @@ def make_plan(args, world_size: int) -> Plan:
     params = {k: v for k, v in (opt.get("params") or {}).items() if k not in ("torch_adam", "adam_w_mode")}
     if args.lr is not None:
         params["lr"] = args.lr
-    plan.optimizer = (OPTIMIZERS[otype.lower()], params)
-    if tc.dp_config.backend in ("diloco", "streaming_diloco"):
+    optimizer = (OPTIMIZERS[otype.lower()], params)
+    if tc.dp.backend in ("diloco", "streaming_diloco"):
         zero = (ds.get("zero_optimization") or {}).get("stage", 0)
         if zero >= 1:
-            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} keeps "
+            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp.backend!r} keeps "
                               f"replicas apart between syncs; zero_optimization.stage = {zero} re-syncs "
                               "them every step. Use stage 0.")
         if (ds.get("fp16") or {}).get("enabled"):
             from .adapters.plain_engine import FP16_DILOCO
-            raise ConfigError(f"{args.config}: " + FP16_DILOCO.format(backend=tc.dp_config.backend))
+            raise ConfigError(f"{args.config}: " + FP16_DILOCO.format(backend=tc.dp.backend))
         if (ds.get("bf16") or {}).get("enabled") and pp > 1:
-            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp_config.backend!r} cannot run "
+            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp.backend!r} cannot run "
                               "with bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "
                               "re-syncs replicas every step); use fp32 or fp16")
-    if tc.dp_config.backend == "streaming_diloco" and spec.tied and tc.tied_embeddings == "sync" and pp > 1:
+    if tc.dp.backend == "streaming_diloco" and spec.tied and tc.tied_embeddings == "sync" and pp > 1:
         raise ConfigError(f"{args.config}: twocircuit.dp.backend = 'streaming_diloco' with "
                           "twocircuit.tied_embeddings = 'sync' would sync the two copies of the tied "
                           "embedding in different fragments (they drift apart); use 'untie' or 'freeze'")
-    plan.ds_config = ds
-    plan.output_dir = args.output_dir or os.path.join("runs", plan.config_name)
-    return plan
+    return Plan(args=args, config_name=config_name, tc=tc, ds_config=ds, pp=pp, dp=dp, z=z,
+                anchor_ranks=anchor_ranks, model_folder=model_folder, spec=spec, parts=parts,
+                train_docs=train_docs, heldout_docs=heldout_docs, mb=mb, gas=gas, optimizer=optimizer,
+                ckpt_policy=ckpt_policy, fault=fault,
+                output_dir=args.output_dir or os.path.join("runs", config_name))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,15 +392,16 @@ def run(argv=None) -> int:
     prepare_runtime()
     from .adapters.dist import init_world
     world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
+    progress = Progress()
     try:
         if world.role == "anchor":
             from .adapters.anchor_circuit import run_anchor
             return run_anchor(plan, world)
         try:
-            return run_fast(plan, world)
+            return run_fast(plan, world, progress)
         finally:
-            if getattr(plan, "census", None) is not None:
-                plan.census.stop()
+            if progress.census is not None:
+                progress.census.stop()
     except ConfigError as e:  # found after start-up (e.g. --resume): every rank finds the same
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -381,10 +411,10 @@ def run(argv=None) -> int:
         reason = lost_peer_reason(e)
         if reason is None or world.role != "fast":
             raise
-        _report_lost_peer(plan, world, reason, argv)
+        _report_lost_peer(plan, world, reason, argv, progress)
 
 
-def _report_lost_peer(plan, world, reason: str, argv) -> None:
+def _report_lost_peer(plan, world, reason: str, argv, progress: Progress) -> None:
     """One line instead of a traceback wall: who stopped, where, what is saved, how to go on.
     Then leave at once (exit code 3): tearing down a process group with a dead peer can hang."""
     from .adapters.dist import census_store
@@ -403,8 +433,8 @@ def _report_lost_peer(plan, world, reason: str, argv) -> None:
     alive = sorted(set(range(world.size)) - set(missing or []))
     if missing and alive and alive[0] != world.rank:
         os._exit(EXIT_PEER_LOST)                     # the lowest surviving rank speaks for all
-    step = getattr(plan, "step_now", None)          # steps done when it stopped
-    where = (getattr(plan, "phase", None) or f"at step {step}") if step is not None else "during start-up"
+    step = progress.step_now                        # steps done when it stopped
+    where = (progress.phase or f"at step {step}") if step is not None else "during start-up"
     if missing:
         lost = ", ".join(who(r) for r in missing) + " stopped or cannot be reached"
     elif missing is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and world.global_rank:
@@ -448,7 +478,7 @@ def build_fast_engine(plan):
                                   config_class=DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu))
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     dp_group = engine.grid.get_data_parallel_group()
-    dp_backend = get_backend(tc.dp_config.backend)(named, dp_comm(dp_group, plan.dp), tc.dp_config)
+    dp_backend = get_backend(tc.dp.backend)(named, dp_comm(dp_group, plan.dp), tc.dp)
     engine.pipeline_enable_backward_allreduce = False  # the backend does the DP sync
     engine.setup_twocircuit(tc, tc.mask_seed if tc.mask_seed is not None else plan.args.seed, dp_backend)
     return engine, dp_backend
@@ -510,13 +540,14 @@ class StepLog:
             self.f.close()
 
 
-def run_fast(plan, world) -> int:
+def run_fast(plan, world, progress: Progress | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
     from . import wire
     from .data import MicroBatchStream, PackedSequences
 
+    progress = progress if progress is not None else Progress()
     args, tc = plan.args, plan.tc
     is_rank0 = world.rank == 0
     out_dir = plan.output_dir
@@ -525,9 +556,9 @@ def run_fast(plan, world) -> int:
     from .adapters.dist import census_store
     from .faults import PeerCensus
     try:
-        plan.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
+        progress.census = PeerCensus(census_store(world.store_prefix), world.rank, world.size).start_answering()
     except Exception as e:  # the launcher's store is not at MASTER_ADDR:MASTER_PORT: no census
-        plan.census = None
+        progress.census = None
         log0(is_rank0, f"no store census of peers after a fault ({type(e).__name__}: {e}); a fault "
                        "will be reported without naming the lost rank")
     engine, dp_backend = build_fast_engine(plan)
@@ -572,7 +603,7 @@ def run_fast(plan, world) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
-        plan.step_now, plan.phase = step, None
+        progress.step_now, progress.phase = step, None
         maybe_inject(plan.fault, "kill", world.rank, step)
         maybe_inject(plan.fault, "stop", world.rank, step)
         t0 = time.perf_counter()
@@ -592,19 +623,19 @@ def run_fast(plan, world) -> int:
             every = policy.calibrate(slowest)
             log0(is_rank0, f"checkpointing every {every} steps (~{policy.every_minutes:g} min at "
                            f"{slowest:.1f} s/step) to {ckpt_dir}, keeping {policy.keep}")
-        plan.step_now = step + 1
+        progress.step_now = step + 1
         if policy.due(step + 1, args.steps):
-            _checkpoint(engine, plan, ckpt_dir)
+            _checkpoint(engine, plan, ckpt_dir, progress)
     log.close()
     wall = time.perf_counter() - t_start
 
     if args.save_checkpoint or args.save_interval:
         # before the final DP flush: a run resumed from here continues exactly like this one would
-        _checkpoint(engine, plan, ckpt_dir)
-    plan.phase = "after the last step (final sync, evaluation or saving the model)"
+        _checkpoint(engine, plan, ckpt_dir, progress)
+    progress.phase = "after the last step (final sync, evaluation or saving the model)"
     dp_before_final = wire.totals()["dp"]
     if dp_backend.finalize():  # finish in-flight DiLoCo syncs; average the drifted fragments once
-        log0(is_rank0, f"{tc.dp_config.backend}: in-flight syncs finished and drifted weights averaged "
+        log0(is_rank0, f"{tc.dp.backend}: in-flight syncs finished and drifted weights averaged "
                        "once (the saved model is the replicas' average)")
     dp_final_local = wire.totals()["dp"] - dp_before_final
     replicas_identical = _replicas_identical(engine, plan)
@@ -634,8 +665,8 @@ def run_fast(plan, world) -> int:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, out_dir)
-    if plan.census is not None:
-        plan.census.stop()          # before the last barrier: no store request after it
+    if progress.census is not None:
+        progress.census.stop()          # before the last barrier: no store request after it
     torch.distributed.barrier()
     return 0
 
@@ -690,17 +721,16 @@ def _set_aside_old_checkpoints(ckpt_dir: str, world) -> None:
     dist.barrier()
 
 
-def _checkpoint(engine, plan, ckpt_dir: str) -> None:
+def _checkpoint(engine, plan, ckpt_dir: str, progress: Progress) -> None:
     """Write and commit a checkpoint, then prune to the newest ``--keep-checkpoints``."""
     from .adapters.checkpoint import save_training_state
     from .faults import committed_checkpoints, prune
-    plan.phase = f"while writing the checkpoint of step {engine.global_steps}"
+    progress.phase = f"while writing the checkpoint of step {engine.global_steps}"
     save_training_state(engine, ckpt_dir, plan.fault)
-    plan.phase = None
-    done = getattr(plan, "committed_steps", [])
-    plan.committed_steps = done + [engine.global_steps]
+    progress.phase = None
+    progress.committed_steps.append(engine.global_steps)
     if os.environ.get("LOCAL_RANK", "0") == "0":       # one pruner per node (shared or local disk)
-        seen = {s for s, _ in committed_checkpoints(ckpt_dir)} | set(plan.committed_steps)
+        seen = {s for s, _ in committed_checkpoints(ckpt_dir)} | set(progress.committed_steps)
         prune(ckpt_dir, plan.ckpt_policy.keep, sorted(seen))
 
 
@@ -721,7 +751,7 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "tokens_per_s": round(tokens / wall, 3),
         "loss_first": log.losses[0], "loss_last": log.losses[-1],
         "mesh": {"dp": plan.dp, "pp": plan.pp, "anchor_replicas": plan.z, "parts": plan.parts},
-        "dp_backend": tc.dp_config.backend,
+        "dp_backend": tc.dp.backend,
         "dp_replicas_identical": replicas_identical,
         # included in wire_bytes.dp: the end-of-run sync that makes the replicas agree (DiLoCo)
         "dp_final_sync_bytes": dp_final_bytes,

@@ -48,7 +48,7 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
     assert plan.tc.mode == mode
     assert plan.tc.effective_mask_rate == (0.0 if p is None else pytest.approx(p))
     assert plan.tc.anchor.enabled == bool(z)
-    assert (plan.tc.dp_config.backend != "allreduce") == name.endswith("_dp")
+    assert (plan.tc.dp.backend != "allreduce") == name.endswith("_dp")
 
 
 @pytest.mark.parametrize("rate", [1.0, -0.1, 1.5])
@@ -143,3 +143,42 @@ def test_anchor_launch_shapes(tmp_path):
     plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2", "--anchor-only",
                             "--dp", "3"], world=2)
     assert (plan.z, plan.anchor_ranks, plan.dp) == (1, 2, 3)
+
+
+def test_plan_and_config_are_read_once_and_never_written(tmp_path):
+    import dataclasses
+    plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2",
+                            "--anchor-replicas", "1", "--anchor-store", str(tmp_path / "s")], world=4)
+    assert plan.tc.anchor.enabled and plan.tc.anchor.store == str(tmp_path / "s")  # flags applied
+    for obj, attr in ((plan, "dp"), (plan.tc, "mode"), (plan.tc.anchor, "enabled"),
+                      (plan.tc.anchor.spectral, "alpha"), (plan.tc.codec, "refresh_every"),
+                      (plan.tc.dp, "backend")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, getattr(obj, attr))
+    # the shipped file itself says anchor.store = "" : the override made a copy
+    raw = json.load(open(os.path.join(CONFIGS, "m95_ap.json")))["twocircuit"]
+    assert TwoCircuitConfig.from_dict(raw).anchor.store == raw.get("anchor", {}).get("store", "")
+    d = plan.tc.to_dict()
+    assert json.loads(json.dumps(d))["dp"]["backend"] == plan.tc.dp.backend and "explicit" not in d["dp"]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"mask_rate": 2}, "twocircuit.mask_rate = 2.0 is outside the allowed range [0.0, 1.0)"),
+    ({"dp": {"backend": "diloco", "outer_momentum": 1.5}},
+     "twocircuit.dp.outer_momentum = 1.5 is outside the allowed range [0.0, 1.0)"),
+    ({"dp": {"backend": "diloco", "inner_steps": 0}},
+     "twocircuit.dp.inner_steps = 0 is outside the allowed range [1, inf)"),
+    ({"anchor": {"every": "5"}}, "twocircuit.anchor.every must be an integer, got '5'"),
+    ({"dp": {"backend": "diloco", "inner_steps": "5"}}, "twocircuit.dp.inner_steps must be an integer, got '5'"),
+    ({"rescale": 1}, "twocircuit.rescale must be true or false, got 1"),
+    ({"dp": {"backend": "diloco", "nesterov": 1}}, "twocircuit.dp.nesterov must be true or false, got 1"),
+    ({"anchor": {"spectral": {"alpha": float("nan")}}}, "twocircuit.anchor.spectral.alpha must be finite"),
+    ({"dp": {"inner_step": 3}}, "unknown key twocircuit.dp.inner_step; allowed keys under twocircuit.dp:"),
+    ({"codec": {"group": []}}, "unknown key twocircuit.codec.group; allowed keys under twocircuit.codec:"),
+    ({"dp": [1]}, "twocircuit.dp must be a JSON object, got list"),
+])
+def test_one_wording_for_every_section(section, message):
+    """config.py and dp/config.py share one kit (configkit): the same error reads the same."""
+    with pytest.raises(ConfigError) as ei:
+        TwoCircuitConfig.from_dict(section)
+    assert str(ei.value).startswith(message), str(ei.value)

@@ -314,6 +314,7 @@ class AnchorLink:
 def run_anchor(plan, world) -> int:
     """The anchor worker: Z unmasked replicas of the pipeline, same partitioning."""
     import copy
+    import dataclasses
     from deepspeed.runtime.config import DeepSpeedConfig
     from transformers import AutoTokenizer
 
@@ -337,8 +338,7 @@ def run_anchor(plan, world) -> int:
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     zgroup = engine.grid.get_data_parallel_group()
     backend = get_backend("allreduce")(named, dp_comm(zgroup, plan.z), {"backend": "allreduce"})
-    atc = copy.deepcopy(tc)
-    atc.mode = "dense"
+    atc = dataclasses.replace(tc, mode="dense")  # the anchor's boundaries are uncoded
     engine.pipeline_enable_backward_allreduce = False
     engine.setup_twocircuit(atc, 0, backend)
     targets = decoder_matrices(engine.module)

@@ -44,7 +44,7 @@ def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
     backend = engine.dp_backend  # its state_dict() waits for in-flight syncs without finishing them
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={
         "twocircuit": {"pp": engine.num_stages, "dp": engine.dp_world_size,
-                       "dp_backend": engine.tc.dp_config.backend, "mask_seed": engine.mask_seed}})
+                       "dp_backend": engine.tc.dp.backend, "mask_seed": engine.mask_seed}})
     path = _rank_file(ckpt_dir, tag, engine.stage_id, engine.dp_rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = {
@@ -64,7 +64,7 @@ def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
     if dist.get_rank() == 0:
         atomic_write_json(os.path.join(ckpt_dir, tag, STATE_DIR, COMMITTED),
                           {"global_steps": engine.global_steps, "pp": engine.num_stages,
-                           "dp": engine.dp_world_size, "backend": engine.tc.dp_config.backend})
+                           "dp": engine.dp_world_size, "backend": engine.tc.dp.backend})
     dist.barrier()
     return os.path.join(ckpt_dir, tag)
 
@@ -95,7 +95,7 @@ def load_training_state(engine, ckpt_dir: str) -> int:
     if meta["pp"] != engine.num_stages:
         raise ConfigError(f"--resume: checkpoint has pp={meta['pp']}, this run pp={engine.num_stages}; "
                           "resume with the same --pp")
-    backend_name = engine.tc.dp_config.backend
+    backend_name = engine.tc.dp.backend
     if meta["backend"] != backend_name:
         raise ConfigError(f"--resume: checkpoint used twocircuit.dp.backend={meta['backend']!r}, this run "
                           f"{backend_name!r}")

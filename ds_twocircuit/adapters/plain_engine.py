@@ -43,10 +43,7 @@ def attach_dp_backend(engine, dp: dict | None = None):
     if isinstance(engine, PipelineEngine):
         raise ConfigError("attach_dp_backend is for plain DeepSpeed engines; pipelines get their backend "
                           "from launch/train.py (MaskedPipelineEngine)")
-    try:
-        cfg = DPConfig.from_dict(_dp_section(engine, dp))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    cfg = DPConfig.from_dict(_dp_section(engine, dp))  # raises ConfigError naming the key
     if engine.zero_optimization_stage() >= 1:
         raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} needs zero_optimization.stage = 0: ZeRO "
                           "partitions gradients/optimizer state over the DP group and reduces them itself")

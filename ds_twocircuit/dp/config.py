@@ -36,53 +36,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds_twocircuit.configkit import (ConfigError, check_bool, check_float, check_int, check_keys,
+                                     check_range, key)
+
 DEFAULT_PREFIX = "twocircuit.dp"
 
 
-def _key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def _check_int(prefix, name, v, lo=None, hi=None):
+    return check_range(check_int(v, key(prefix, name)), key(prefix, name), lo, hi)
 
 
-def _check_int(prefix, name, v, lo=None, hi=None, hi_incl=True):
-    if type(v) is not int:  # bool is an int subclass: refuse it on purpose
-        raise ValueError(f"{_key(prefix, name)} must be an integer, got {v!r}")
-    _check_range(prefix, name, v, lo, hi, hi_incl=hi_incl)
-    return v
-
-
-def _check_float(prefix, name, v, lo=None, hi=None, lo_incl=True, hi_incl=True):
-    if type(v) not in (int, float):
-        raise ValueError(f"{_key(prefix, name)} must be a number, got {v!r}")
-    v = float(v)
-    if v != v or v in (float("inf"), float("-inf")):
-        raise ValueError(f"{_key(prefix, name)} must be finite, got {v!r}")
-    _check_range(prefix, name, v, lo, hi, lo_incl, hi_incl)
-    return v
+def _check_float(prefix, name, v, lo=None, hi=None, lo_open=False, hi_open=False):
+    return check_range(check_float(v, key(prefix, name)), key(prefix, name), lo, hi, lo_open, hi_open)
 
 
 def _check_bool(prefix, name, v):
-    if type(v) is not bool:
-        raise ValueError(f"{_key(prefix, name)} must be true or false, got {v!r}")
-    return v
-
-
-def _check_range(prefix, name, v, lo, hi, lo_incl=True, hi_incl=True):
-    lo_ok = lo is None or (v >= lo if lo_incl else v > lo)
-    hi_ok = hi is None or (v <= hi if hi_incl else v < hi)
-    if not (lo_ok and hi_ok):
-        lb = "(-inf" if lo is None else ("[" if lo_incl else "(") + repr(lo)
-        hb = "inf)" if hi is None else repr(hi) + ("]" if hi_incl else ")")
-        raise ValueError(f"{_key(prefix, name)} must be in {lb}, {hb}, got {v!r}")
-
-
-def _refuse_unknown(prefix: str, d: dict, allowed) -> None:
-    if not isinstance(d, dict):
-        raise ValueError(f"{prefix} must be an object (dict), got {type(d).__name__}")
-    for k in d:
-        if k not in allowed:
-            raise ValueError(
-                f"unknown key {_key(prefix, str(k))}; allowed keys under {prefix}: "
-                + ", ".join(sorted(allowed)))
+    return check_bool(v, key(prefix, name))
 
 
 @dataclass(frozen=True)
@@ -100,7 +69,7 @@ class PowerSGDConfig:
     def from_dict(cls, d: dict | None,
                   prefix: str = DEFAULT_PREFIX + ".powersgd") -> "PowerSGDConfig":
         d = {} if d is None else d
-        _refuse_unknown(prefix, d, {f.name for f in dataclasses.fields(cls)})
+        check_keys(d, {f.name for f in dataclasses.fields(cls)}, prefix)
         kw: dict[str, Any] = {}
         for name, v in d.items():
             if name in ("matrix_approximation_rank",):
@@ -141,14 +110,14 @@ class DPConfig:
         """Accept a DPConfig or a raw dict; ``backend`` fills in / checks the backend name."""
         if isinstance(cfg, DPConfig):
             if backend is not None and cfg.backend != backend:
-                raise ValueError(f"{prefix}.backend is {cfg.backend!r} but a {backend!r} "
-                                 "backend is being built")
+                raise ConfigError(f"{prefix}.backend is {cfg.backend!r} but a {backend!r} "
+                                  "backend is being built")
             return cfg
         d = dict(cfg or {})
         if backend is not None:
             if d.setdefault("backend", backend) != backend:
-                raise ValueError(f"{prefix}.backend is {d['backend']!r} but a {backend!r} "
-                                 "backend is being built")
+                raise ConfigError(f"{prefix}.backend is {d['backend']!r} but a {backend!r} "
+                                  "backend is being built")
         return cls.from_dict(d, prefix=prefix)
 
     @classmethod
@@ -156,37 +125,37 @@ class DPConfig:
         from ds_twocircuit.dp.registry import available_backends, get_backend
 
         d = {} if d is None else d
-        _refuse_unknown(prefix, d, cls.keys())
+        check_keys(d, cls.keys(), prefix)
         kw: dict[str, Any] = {}
         backend = d.get("backend", cls.backend)
         names = available_backends()
         if not isinstance(backend, str) or backend not in names:
-            raise ValueError(f"{_key(prefix, 'backend')} must be one of {', '.join(names)}; "
-                             f"got {backend!r}")
+            raise ConfigError(f"{key(prefix, 'backend')} must be one of {', '.join(names)}; "
+                              f"got {backend!r}")
         kw["backend"] = backend
         for name, v in d.items():
             if name == "backend":
                 continue
             if name == "powersgd":
-                kw[name] = PowerSGDConfig.from_dict(v, prefix=_key(prefix, name))
+                kw[name] = PowerSGDConfig.from_dict(v, prefix=key(prefix, name))
             elif name in ("inner_steps", "num_fragments", "overlap_steps"):
                 kw[name] = _check_int(prefix, name, v, lo=1)
             elif name == "outer_lr":
-                kw[name] = _check_float(prefix, name, v, lo=0.0, lo_incl=False)
+                kw[name] = _check_float(prefix, name, v, lo=0.0, lo_open=True)
             elif name == "outer_momentum":
-                kw[name] = _check_float(prefix, name, v, lo=0.0, hi=1.0, hi_incl=False)
+                kw[name] = _check_float(prefix, name, v, lo=0.0, hi=1.0, hi_open=True)
             elif name == "merge_alpha":
                 kw[name] = _check_float(prefix, name, v, lo=0.0, hi=1.0)
             elif name in ("nesterov", "overlap"):
                 kw[name] = _check_bool(prefix, name, v)
             elif name == "compression":
                 if v not in (None, "powersgd"):
-                    raise ValueError(f"{_key(prefix, name)} must be null or \"powersgd\", "
-                                     f"got {v!r}")
+                    raise ConfigError(f"{key(prefix, name)} must be null or \"powersgd\", "
+                                      f"got {v!r}")
                 kw[name] = v
             elif name == "options":
                 if not isinstance(v, dict):
-                    raise ValueError(f"{_key(prefix, name)} must be an object (dict), got {v!r}")
+                    raise ConfigError(f"{key(prefix, name)} must be an object (dict), got {v!r}")
                 kw[name] = dict(v)
         cfg = cls(explicit=frozenset(d), **kw)
         cfg._check_consistency(get_backend(backend), prefix)
@@ -196,29 +165,29 @@ class DPConfig:
         used = set(getattr(backend_cls, "config_keys", frozenset({"options"})))
         for k in sorted(self.explicit - {"backend"}):
             if k not in used:
-                raise ValueError(
-                    f"{_key(prefix, k)} is not used by {_key(prefix, 'backend')}={self.backend!r} "
+                raise ConfigError(
+                    f"{key(prefix, k)} is not used by {key(prefix, 'backend')}={self.backend!r} "
                     f"(keys it uses: {', '.join(sorted(used)) or 'none'}); remove it")
         if "num_fragments" in used and self.num_fragments > self.inner_steps:
-            raise ValueError(f"{_key(prefix, 'num_fragments')} must be <= "
-                             f"{_key(prefix, 'inner_steps')} ({self.inner_steps}) so that no two "
-                             f"fragments sync on the same step; got {self.num_fragments}")
+            raise ConfigError(f"{key(prefix, 'num_fragments')} must be <= "
+                              f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so that no two "
+                              f"fragments sync on the same step; got {self.num_fragments}")
         if ("compression" in used and "powersgd" in self.explicit
                 and self.compression != "powersgd"):
-            raise ValueError(f"{_key(prefix, 'powersgd')} is set but "
-                             f"{_key(prefix, 'compression')} is null; set compression: "
-                             "\"powersgd\" or remove the powersgd block")
+            raise ConfigError(f"{key(prefix, 'powersgd')} is set but "
+                              f"{key(prefix, 'compression')} is null; set compression: "
+                              "\"powersgd\" or remove the powersgd block")
         if "overlap" in used:
             if not self.overlap:
                 for k in ("overlap_steps", "merge_alpha"):
                     if k in self.explicit:
-                        raise ValueError(f"{_key(prefix, k)} only applies with "
-                                         f"{_key(prefix, 'overlap')}=true")
+                        raise ConfigError(f"{key(prefix, k)} only applies with "
+                                          f"{key(prefix, 'overlap')}=true")
             elif self.overlap_steps >= self.inner_steps:
-                raise ValueError(f"{_key(prefix, 'overlap_steps')} must be < "
-                                 f"{_key(prefix, 'inner_steps')} ({self.inner_steps}) so a "
-                                 "fragment's sync finishes before its next one starts; "
-                                 f"got {self.overlap_steps}")
+                raise ConfigError(f"{key(prefix, 'overlap_steps')} must be < "
+                                  f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so a "
+                                  "fragment's sync finishes before its next one starts; "
+                                  f"got {self.overlap_steps}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
