@@ -470,8 +470,8 @@ def build_fast_engine(plan):
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer(plan, trainable)
     if tc.anchor.enabled:
-        from .adapters.anchor_circuit import wrap_optimizer
-        optimizer = wrap_optimizer(optimizer, module, plan)
+        from .adapters.anchor_circuit import attach_correction
+        attach_correction(optimizer, module, plan)  # hooks on the optimizer the engine steps
     mpu = module.mpu()
     engine = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
                                   mpu=mpu, config=copy.deepcopy(plan.ds_config),

@@ -416,7 +416,7 @@ def test_lr_scheduler_drives_inner_param_groups():
     inner = torch.optim.AdamW(model.parameters(), lr=1.0)
     opt = SpectralCorrection(inner, _targets(model))
     assert opt.param_groups is inner.param_groups and opt.state is inner.state
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5 ** s)  # the scheduler sees inner
     for step in range(3):
         _set_grads(model, step)
         opt.step()
@@ -433,12 +433,13 @@ _DS_SCRIPT = textwrap.dedent("""
     from ds_twocircuit.anchor.spectral import SpectralCorrection
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = SpectralCorrection(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                             {"0.weight": model[0].weight, "2.weight": model[2].weight}, tau_mode="relative")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = SpectralCorrection(inner, {"0.weight": model[0].weight, "2.weight": model[2].weight},
+                             tau_mode="relative")
     cfg = {"train_batch_size": 4, "scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5}}}
-    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-    assert eng.optimizer is opt, type(eng.optimizer)
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=inner, config=cfg)
+    assert eng.optimizer is inner and inner.twocircuit_correction is opt, type(eng.optimizer)
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     def train_step():
         loss = torch.nn.functional.mse_loss(eng(x), y); eng.backward(loss); eng.step()
@@ -460,7 +461,7 @@ _DS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_deepspeed_accepts_it_as_client_optimizer_and_resumes_bitwise(tmp_path):
+def test_deepspeed_steps_and_saves_it_through_the_inner_optimizers_hooks(tmp_path):
     pytest.importorskip("deepspeed")
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), DS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
@@ -487,3 +488,33 @@ def test_anchor_mix_adds_the_scaled_anchor_prior():
     import pytest
     with pytest.raises(ValueError, match="anchor_mix"):
         SpectralCorrection(torch.optim.SGD([w], lr=1.0), {"w": w}, anchor_mix=-1.0)
+
+
+def test_it_acts_only_through_the_inner_optimizers_public_hooks():
+    """Stepping ``inner`` directly (as DeepSpeed does) is the same as stepping the correction;
+    after ``detach()`` inner steps and saves as a plain optimizer."""
+    ref, model = _twin_models()
+    opt_ref = _make(ref, "full")
+    opt = _make(model, "full")
+    for o in (opt_ref, opt):
+        o.submit_anchor_gradients(_anchor_grads(0), 0)
+    for step in range(3):
+        _set_grads(ref, step)
+        opt_ref.step()
+        _set_grads(model, step)
+        opt.inner.step()                       # no call into the correction: only its hooks run
+    assert opt.current_step == opt_ref.current_step == 3
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    assert opt.last_stats()["spectral/active_matrices"] == 2.0   # the filter did act
+    assert "spectral" in opt.inner.state_dict()
+    with pytest.raises(ValueError, match="already has a correction"):
+        SpectralCorrection(opt.inner, _targets(model))
+    opt.detach()
+    assert "spectral" not in opt.inner.state_dict() and not hasattr(opt.inner, "twocircuit_correction")
+    before = [p.detach().clone() for p in model.parameters()]
+    _set_grads(model, 5)
+    g = [p.grad.clone() for p in model.parameters()]
+    opt.inner.step()
+    assert opt.current_step == 3                     # detached: no longer counts
+    assert all(torch.equal(p.grad, q) for p, q in zip(model.parameters(), g))  # not filtered
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -72,3 +72,56 @@ def test_adapters_are_where_the_readme_says():
     readme = (ROOT.parent / "README.md").read_text()
     for name in sorted(adapters - {"__init__.py"}):
         assert f"adapters/{name}" in readme, f"README's layout section does not name adapters/{name}"
+
+
+def _resolve(owner: str):
+    import importlib
+    try:
+        return importlib.import_module(owner)           # a module
+    except ImportError:
+        mod, _, cls = owner.rpartition(".")             # a class in a module
+        return getattr(importlib.import_module(mod), cls)
+
+
+def _has(obj, name: str) -> bool:
+    import inspect
+    if hasattr(obj, name):
+        return True
+    if inspect.isclass(obj):  # an instance attribute: assigned in the class's own source
+        return any(f"self.{name}" in inspect.getsource(k) for k in obj.__mro__ if k.__module__.startswith("deepspeed"))
+    return False
+
+
+def test_private_deepspeed_names_are_those_checked():
+    """All private DeepSpeed names the adapters override or use are listed in
+    adapters/deepspeed_private.py; on another DeepSpeed version this fails until they are re-read."""
+    import inspect
+
+    import deepspeed
+
+    from ds_twocircuit.adapters import deepspeed_private as priv
+    assert deepspeed.__version__ == priv.CHECKED_VERSION, (
+        f"DeepSpeed {deepspeed.__version__} is installed; the overrides in "
+        f"ds_twocircuit/adapters/deepspeed_private.py were checked against {priv.CHECKED_VERSION}")
+    for (owner, name), (params, _) in priv.OVERRIDDEN.items():
+        obj = _resolve(owner)
+        assert hasattr(obj, name), f"{owner}.{name} is gone"
+        if params is not None:
+            assert list(inspect.signature(getattr(obj, name)).parameters) == params, (owner, name)
+    for owner, name in priv.USED:
+        assert _has(_resolve(owner), name), f"{owner}.{name} is gone"
+
+
+def test_every_private_override_in_the_adapters_is_listed():
+    from ds_twocircuit.adapters import deepspeed_private as priv
+    from ds_twocircuit.adapters.anchor_circuit import AnchorPipelineEngine
+    from ds_twocircuit.adapters.pipe_module import TwoCircuitPipe
+    from ds_twocircuit.adapters.pipeline_engine import MaskedPipelineEngine
+    listed = {name for (_, name) in priv.OVERRIDDEN}
+    for cls in (MaskedPipelineEngine, AnchorPipelineEngine, TwoCircuitPipe):
+        theirs = [k for k in cls.__mro__ if k.__module__.startswith("deepspeed")]
+        own = {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")
+               and any(hasattr(k, n) for k in theirs)}  # a private DeepSpeed name redefined
+        assert own <= listed, f"{cls.__name__} overrides {sorted(own - listed)}: list them in deepspeed_private.py"
+    src = (ROOT / "adapters" / "plain_engine.py").read_text()
+    assert "engine._take_model_step = " in src and "_take_model_step" in listed

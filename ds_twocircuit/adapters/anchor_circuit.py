@@ -86,13 +86,14 @@ def store_root(plan) -> str:
     return plan.tc.anchor.store or os.path.join(plan.output_dir, "anchor_store")
 
 
-def wrap_optimizer(optimizer, module, plan):
-    """Wrap the fast circuit's optimizer in the configured anchor correction (when the anchor is
-    enabled): SpectralCorrection (the paper's) or DelayedErrorFeedback."""
+def attach_correction(optimizer, module, plan):
+    """Attach the configured anchor correction to the fast circuit's optimizer (through its
+    public step and state-dict hooks): SpectralCorrection (the paper's) or DelayedErrorFeedback.
+    The engine keeps ``optimizer`` itself; returns the correction (None without 2-D targets)."""
     sc = plan.tc.anchor.spectral
     targets = decoder_matrices(module)
     if not targets:
-        return optimizer
+        return None
     if plan.tc.anchor.correction == "delayed_ef":
         from ..anchor.corrections import DelayedErrorFeedback
         a = plan.tc.anchor
@@ -139,7 +140,7 @@ class AnchorLink:
         self.engine, self.plan, self.world = engine, plan, world
         self.every = plan.tc.anchor.every
         self.store = SnapshotStore(store_root(plan), keep=plan.tc.anchor.keep)
-        self.opt = engine.optimizer if isinstance(engine.optimizer, SpectralCorrection) else None
+        self.opt = getattr(engine.optimizer, "twocircuit_correction", None)  # attach_correction's
         self.stage = engine.stage_id
         self.dp_rank = engine.grid.get_data_parallel_id()
         self.dp_group = engine.grid.get_data_parallel_group()

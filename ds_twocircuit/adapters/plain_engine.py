@@ -58,6 +58,8 @@ def attach_dp_backend(engine, dp: dict | None = None):
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     backend = get_backend(cfg.backend)(named, comm, cfg)
     engine.enable_backward_allreduce = False
+    # A private DeepSpeed method (listed, with the version it was checked against, in
+    # deepspeed_private.py): the DP sync must run before the clipping inside it.
     original = engine._take_model_step
 
     def take_model_step(lr_kwargs, *args, **kwargs):

@@ -12,8 +12,9 @@ Invariant: the correction only ever pairs gradients of the same weights and batc
 pairing -- the kept gradient was dropped, or the anchor sent a step that was not a snapshot step --
 is skipped, never guessed); between arrivals the correction is constant.
 
-Same interface as :class:`~ds_twocircuit.anchor.spectral.SpectralCorrection` (a wrapping
-``torch.optim.Optimizer`` fed by ``submit_anchor_gradients``), so the anchor circuit drives either.
+Same interface as :class:`~ds_twocircuit.anchor.spectral.SpectralCorrection` (attached to the
+inner optimizer through its public hooks, fed by ``submit_anchor_gradients``), so the anchor
+circuit drives either.
 """
 from __future__ import annotations
 
@@ -93,16 +94,16 @@ class DelayedErrorFeedback(SpectralCorrection):
                                      if self.last_anchor_source_step is not None else -1.0),
         }
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["delayed_ef"] = {"every": self.every, "lam": self.lam, "beta": self.beta,
-                            "kept": self._kept, "corr": self._corr}
-        return sd
+    STATE_KEYS = ("spectral", "delayed_ef")
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        sd = dict(state_dict)
-        ef = sd.pop("delayed_ef", None)
-        super().load_state_dict(sd)
+    def _extra_state(self) -> dict:
+        return {**super()._extra_state(),
+                "delayed_ef": {"every": self.every, "lam": self.lam, "beta": self.beta,
+                               "kept": self._kept, "corr": self._corr}}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        super()._load_extra_state(extra)
+        ef = extra.get("delayed_ef")
         if ef is not None:
             self._kept = {int(k): dict(v) for k, v in ef["kept"].items()}
             self._corr = dict(ef["corr"])

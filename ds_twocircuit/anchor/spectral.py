@@ -19,12 +19,16 @@ Invariants this module keeps:
   the (linear) filter commutes with a dense mean all-reduce of G_mask.
 * Before a matrix has received its first anchor gradient its gradient passes through untouched,
   and with ``alpha == 1`` the filter is skipped entirely: both are bitwise no-ops.
-* ``state_dict()`` is the inner optimizer's state dict plus one extra key, ``"spectral"``;
-  loading it restores both, and a resumed run continues bitwise identically.
+* It attaches to the inner optimizer through the optimizer's public hooks
+  (``register_step_pre_hook``: correct the gradients; ``register_step_post_hook``: count the step;
+  ``register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``: its state). The
+  optimizer DeepSpeed, an lr scheduler and a checkpoint see is the inner optimizer itself; its
+  ``state_dict()`` holds one extra key, ``"spectral"``, loading it restores both, and a resumed run
+  continues bitwise identically.
 
 Order of one fast step (method.md s. 3): masked forward/backward -> DP sync ->
-``submit_anchor_gradients`` if a new anchor gradient arrived -> ``step()`` (correction, then the
-inner optimizer).
+``submit_anchor_gradients`` if a new anchor gradient arrived -> ``inner.step()`` (the pre-step
+hook corrects, then the inner optimizer steps).
 
 Cost per matrix (n x m, kept rank r): the projections cost O(n m r) and never form an n x n or
 m x m matrix; the SVD runs in fp32 whatever the gradient dtype, and the gradient handed to the inner
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -127,12 +130,14 @@ class _AnchorState:
         self.numerical_rank = _numerical_rank(self.S, (self.U.shape[0], self.V.shape[0]))
 
 
-class SpectralCorrection(torch.optim.Optimizer):
-    """Wraps an optimizer and replaces the gradient of each target matrix by ``G_use``.
+class SpectralCorrection:
+    """Attaches to an optimizer and replaces the gradient of each target matrix by ``G_use``
+    right before every ``inner.step()``.
 
-    It is a ``torch.optim.Optimizer`` (DeepSpeed accepts it as a client optimizer; an lr scheduler
-    accepts it too): ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own
-    objects, so a scheduler that edits ``param_groups[i]["lr"]`` drives the inner optimizer.
+    Hand ``inner`` itself to DeepSpeed (client optimizer), to an lr scheduler and to checkpoints:
+    the correction runs in ``inner``'s step pre-hook and its state rides in ``inner``'s state dict
+    (key ``"spectral"``). ``detach()`` removes the hooks. ``step()``, ``state_dict()`` and
+    ``load_state_dict()`` here are shorthands for ``inner``'s.
 
     Args:
         inner: the optimizer that takes the step (AdamW in the paper).
@@ -201,15 +206,6 @@ class SpectralCorrection(torch.optim.Optimizer):
                 raise ValueError(f"targets {seen[id(p)]!r} and {name!r} are the same parameter")
             seen[id(p)] = name
 
-        # What torch.optim.Optimizer.__init__ sets up, minus the param groups (those are inner's).
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-
         self.inner = inner
         self.targets: dict[str, torch.nn.Parameter] = dict(targets)
         self.alpha = float(alpha)
@@ -227,34 +223,30 @@ class SpectralCorrection(torch.optim.Optimizer):
         self.anchor_mix = float(anchor_mix)
         self._reset_anchor_state()
         self._check_targets_in_param_groups()
+        if getattr(inner, "twocircuit_correction", None) is not None:
+            raise ValueError(f"{type(inner).__name__} already has a correction attached; detach() it first")
+        self._handles = [inner.register_step_pre_hook(self._before_step),
+                         inner.register_step_post_hook(self._after_step),
+                         inner.register_state_dict_post_hook(self._add_state),
+                         inner.register_load_state_dict_pre_hook(self._take_state)]
+        inner.twocircuit_correction = self  # how an adapter finds it from the engine's optimizer
 
-    # --- the inner optimizer's objects, shared (so lr schedulers and DeepSpeed drive inner) ---
+    def detach(self) -> None:
+        """Remove the hooks: ``inner`` steps and saves as if never attached."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if getattr(self.inner, "twocircuit_correction", None) is self:
+            del self.inner.twocircuit_correction
+
+    # --- the inner optimizer's objects (read-only views) ---------------------------------------
     @property
     def param_groups(self):
         return self.inner.param_groups
 
-    @param_groups.setter
-    def param_groups(self, value):
-        self.inner.param_groups = value
-
     @property
     def state(self):
         return self.inner.state
-
-    @state.setter
-    def state(self, value):
-        self.inner.state = value
-
-    @property
-    def defaults(self):
-        return self.inner.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.inner.defaults = value
-
-    def add_param_group(self, param_group: dict) -> None:
-        self.inner.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -342,9 +334,9 @@ class SpectralCorrection(torch.optim.Optimizer):
                 "the inner optimizer. DeepSpeed's BF16_Optimizer / ZeRO / fp16 wrappers replace them with flat fp32 "
                 "copies; use ZeRO stage 0 with fp32 (or torch_autocast) parameters.")
 
-    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, step: Optional[int] = None):
-        """Correct the target gradients in place, then step the inner optimizer.
+        """``inner.step()`` (the hooks correct the target gradients first), after running
+        ``closure`` (which computes the gradients) if given.
 
         ``step``: index of this step (sets ``current_step``); after the step ``current_step`` is
         one higher.
@@ -355,11 +347,16 @@ class SpectralCorrection(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_targets_in_param_groups()
-        self._correct_gradients()
         self.inner.step()
-        self.current_step += 1
         return loss
+
+    def _before_step(self, optimizer, args, kwargs) -> None:   # inner's step pre-hook
+        with torch.no_grad():
+            self._check_targets_in_param_groups()
+            self._correct_gradients()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:    # inner's step post-hook
+        self.current_step += 1
 
     def _correct_gradients(self) -> None:
         rows: list[torch.Tensor] = []      # per matrix: ||G||^2, ||U_k^T G V_k||^2, ||G_use - G||, #(d > 0.5)
@@ -438,10 +435,26 @@ class SpectralCorrection(torch.optim.Optimizer):
         return dict(self._last_stats)
 
     # --- checkpointing --------------------------------------------------------------------------
+    STATE_KEYS: tuple = ("spectral",)   # the keys this correction adds to inner's state dict
+
     def state_dict(self) -> dict:
         """The inner optimizer's state dict plus ``"spectral"`` (anchor state, counters, config)."""
-        sd = self.inner.state_dict()
-        sd["spectral"] = {
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def _add_state(self, optimizer, sd: dict) -> dict:          # inner's state_dict post-hook
+        sd.update(self._extra_state())
+        return sd
+
+    def _take_state(self, optimizer, sd: dict) -> dict:         # inner's load_state_dict pre-hook
+        sd = dict(sd)
+        self._load_extra_state({k: sd.pop(k) for k in self.STATE_KEYS if k in sd})
+        return sd
+
+    def _extra_state(self) -> dict:
+        return {"spectral": {
             "format": _STATE_FORMAT,
             "config": {"alpha": self.alpha, "tau": self.tau, "beta": self.beta, "tau_mode": self.tau_mode,
                        "anchor_mix": self.anchor_mix,
@@ -454,13 +467,10 @@ class SpectralCorrection(torch.optim.Optimizer):
             # Tensors are never mutated in place, so references are a consistent snapshot.
             "matrices": {name: {"ema": st.ema, "arrivals": st.arrivals, "source_step": st.source_step,
                                 "U": st.U, "S": st.S, "V": st.V} for name, st in self._anchor.items()},
-        }
-        return sd
+        }}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        sd = dict(state_dict)
-        spectral = sd.pop("spectral", None)
-        self.inner.load_state_dict(sd)
+    def _load_extra_state(self, extra: dict) -> None:
+        spectral = extra.get("spectral")
         self._reset_anchor_state()
         if spectral is None:
             warnings.warn("optimizer state dict has no 'spectral' entry (saved without SpectralCorrection); "
