@@ -182,3 +182,16 @@ def test_one_wording_for_every_section(section, message):
     with pytest.raises(ConfigError) as ei:
         TwoCircuitConfig.from_dict(section)
     assert str(ei.value).startswith(message), str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "diloco", "streaming_diloco"])
+def test_shipped_accelerate_configs_point_at_valid_deepspeed_jsons(name):
+    folder = os.path.join(CONFIGS, "accelerate")
+    yaml = open(os.path.join(folder, f"{name}.yaml")).read()
+    assert f"deepspeed_config_file: ds_configs/accelerate/{name}.json" in yaml
+    assert "distributed_type: DEEPSPEED" in yaml and "mixed_precision" not in yaml  # Accelerate refuses it
+    ds = json.load(open(os.path.join(folder, f"{name}.json")))
+    assert TwoCircuitConfig.from_dict(ds["twocircuit"]).dp.backend == name
+    # integers, not "auto": Accelerate on a CPU host counts one process per rank
+    assert all(isinstance(ds[k], int) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+    assert "train_batch_size" not in ds

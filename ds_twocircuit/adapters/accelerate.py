@@ -31,11 +31,26 @@ def enable_dp_compression(accelerator, dp: dict | None = None):
     return attach_dp_backend(_engine(accelerator), dp)
 
 
-def finalize_dp(accelerator) -> None:
+def finalize_dp(accelerator) -> bool:
+    """End of training: finish in-flight syncs and average drifted replicas once (DiLoCo), so
+    every replica holds the same model before it is saved. True if the weights changed."""
     engine = _engine(accelerator)
     backend = getattr(engine, "dp_backend", None)
-    if backend is not None:
-        backend.finalize()
+    if backend is None:
+        return False
+    changed = backend.finalize()
+    engine.dp_totals.add(backend.pop_step_stats(), backend, optimizer_step=False)
+    return changed
+
+
+def dp_metrics(accelerator_or_engine) -> dict:
+    """This rank's DP totals so far (``dp/bytes_sent``, ``dp/compression_ratio`` against a plain
+    all-reduce of the same steps, ``dp/comm_s``, ``dp/replicas_in_sync``, ...); {} before
+    :func:`enable_dp_compression`."""
+    engine = getattr(accelerator_or_engine, "deepspeed_engine_wrapped", None)
+    engine = engine.engine if engine is not None else accelerator_or_engine
+    totals = getattr(engine, "dp_totals", None)
+    return totals.metrics() if totals is not None else {}
 
 
 try:
@@ -45,15 +60,30 @@ except ImportError:  # transformers is a dependency; keep the module importable 
 
 
 class DPCompressionCallback(TrainerCallback):
-    """Trainer callback: attach the backend when training starts, finalize it when it ends."""
+    """Trainer callback: attach the backend when training starts, put :func:`dp_metrics` into every
+    log (ahead of the ``report_to`` reporters, and into ``state.log_history``), finalize the DP
+    sync when training ends (before the model is saved)."""
 
     def __init__(self, trainer, dp: dict | None = None):
         self.trainer, self.dp = trainer, dp
 
     def on_train_begin(self, args, state, control, **kwargs):
         attach_dp_backend(self.trainer.model_wrapped, self.dp)
+        handler = self.trainer.callback_handler      # run first, so reporters see the metrics
+        handler.callbacks.remove(self)
+        handler.callbacks.insert(0, self)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = dp_metrics(self.trainer.model_wrapped)
+        if logs is not None:
+            logs.update(metrics)
+        if state.log_history:                        # Trainer appended this log before the callbacks
+            state.log_history[-1].update(metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
-        backend = getattr(self.trainer.model_wrapped, "dp_backend", None)
+        engine = self.trainer.model_wrapped
+        backend = getattr(engine, "dp_backend", None)
         if backend is not None:
             backend.finalize()
+            engine.dp_totals.add(backend.pop_step_stats(), backend, optimizer_step=False)
+            state.log_history.append({**dp_metrics(engine), "step": state.global_step, "dp/final": 1.0})

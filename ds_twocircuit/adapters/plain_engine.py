@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..config import ConfigError
 from ..dp.config import DPConfig
+from .. import wire
 from ..dp.registry import get_backend
 from .comm import dp_comm
 
@@ -62,13 +63,50 @@ def attach_dp_backend(engine, dp: dict | None = None):
     # deepspeed_private.py): the DP sync must run before the clipping inside it.
     original = engine._take_model_step
 
+    # what a plain all-reduce of every trainable gradient would send per step (this rank)
+    dense = wire.ring_allreduce_bytes(sum(wire.tensor_bytes(p) for _, p in named), comm.world_size)
+    totals = DPTotals(dense_bytes_per_step=dense, world_size=comm.world_size)
+
     def take_model_step(lr_kwargs, *args, **kwargs):
         step = engine.global_steps
         backend.reduce_gradients(step)
         out = original(lr_kwargs, *args, **kwargs)
         backend.after_optimizer_step(step)
+        totals.add(backend.pop_step_stats(), backend)
         return out
 
     engine._take_model_step = take_model_step
     engine.dp_backend = backend
+    engine.dp_totals = totals
     return backend
+
+
+class DPTotals:
+    """Running totals of a plain engine's DP sync (this rank), for logs and ``report_to``."""
+
+    def __init__(self, dense_bytes_per_step: int, world_size: int):
+        self.dense_bytes_per_step, self.world_size = dense_bytes_per_step, world_size
+        self.steps = self.bytes_sent = self.collectives = 0
+        self.comm_s = self.hidden_comm_s = 0.0
+        self.in_sync = True
+
+    def add(self, stats: dict, backend, optimizer_step: bool = True) -> None:
+        self.steps += int(optimizer_step)
+        self.bytes_sent += int(stats.get("bytes_sent", 0))
+        self.collectives += int(stats.get("collectives", 0))
+        self.comm_s += float(stats.get("comm_s", 0.0))
+        self.hidden_comm_s += float(stats.get("hidden_comm_s", 0.0))
+        self.in_sync = not backend.replicas_may_differ or not (any(getattr(backend, "dirty", [True]))
+                                                               or getattr(backend, "pending", None))
+
+    def metrics(self) -> dict:
+        """``dp/...`` metrics: bytes this rank sent, the ratio to a plain all-reduce of the same
+        steps, time in DP collectives, and whether every replica holds the same weights now."""
+        dense = self.dense_bytes_per_step * self.steps
+        out = {"dp/steps": self.steps, "dp/bytes_sent": self.bytes_sent, "dp/allreduce_bytes": dense,
+               "dp/collectives": self.collectives, "dp/comm_s": round(self.comm_s, 6),
+               "dp/hidden_comm_s": round(self.hidden_comm_s, 6),
+               "dp/replicas_in_sync": float(self.in_sync), "dp/world_size": self.world_size}
+        if self.bytes_sent:  # x fewer bytes than a plain all-reduce of the same steps
+            out["dp/compression_ratio"] = round(dense / self.bytes_sent, 4)
+        return out
