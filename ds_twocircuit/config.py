@@ -104,6 +104,29 @@ class CodecConfig:
         check_choice(self.coef_norm, LowRankCodec.COEF_NORMS, f"{p}.coef_norm")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on the decoder projections (PEFT); ``r = 0``: off (full fine-tuning)."""
+    r: int = 0                      # adapter rank (the --lora-r flag overrides)
+    alpha: float = 32.0             # scale alpha / r
+    dropout: float = 0.0            # on the adapter input (0 keeps runs bit-reproducible)
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "gate_proj", "up_proj", "down_proj"])
+
+    def validate(self, p):
+        check_range(self.r, f"{p}.r", 0, 1 << 16)
+        check_range(self.alpha, f"{p}.alpha", 0.0, None, lo_open=True)
+        check_range(self.dropout, f"{p}.dropout", 0.0, 1.0, hi_open=True)
+        if (not isinstance(self.target_modules, list) or not self.target_modules
+                or not all(isinstance(m, str) and m for m in self.target_modules)):
+            raise ConfigError(f"{p}.target_modules must be a non-empty list of module names "
+                              f"(e.g. [\"q_proj\", \"v_proj\"]), got {self.target_modules!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
 CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")
 
 
@@ -122,6 +145,7 @@ class TwoCircuitConfig:
     partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
     dp: DPConfig = field(default_factory=DPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
@@ -148,6 +172,7 @@ class TwoCircuitConfig:
         check_keys({} if d is None else d, {f.name for f in dataclasses.fields(cls)}, prefix)
         d = dict(d or {})
         anchor, codec, dp = d.pop("anchor", None), d.pop("codec", None), d.pop("dp", None)
+        lora = d.pop("lora", None)
         anchor = dict(anchor) if isinstance(anchor, dict) else anchor
         spectral = anchor.pop("spectral", None) if isinstance(anchor, dict) else None
         if d.get("mask_seed") is not None:
@@ -156,7 +181,8 @@ class TwoCircuitConfig:
                             spectral=_build(SpectralConfig, spectral, f"{prefix}.anchor.spectral"))
         # the DP section is validated here too: errors come before any process group
         return _build(cls, d, prefix, codec=_build(CodecConfig, codec, f"{prefix}.codec"),
-                      anchor=anchor_cfg, dp=DPConfig.from_dict(dp, prefix=f"{prefix}.dp"))
+                      anchor=anchor_cfg, dp=DPConfig.from_dict(dp, prefix=f"{prefix}.dp"),
+                      lora=_build(LoRAConfig, lora, f"{prefix}.lora"))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

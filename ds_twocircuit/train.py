@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=None,
                    help="micro-batches per step per replica (default: the config's gradient_accumulation_steps)")
     p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    p.add_argument("--lora-r", type=int, default=None,
+                   help="train LoRA adapters of this rank instead of the full model (twocircuit.lora.r; 0: off)")
     p.add_argument("--seed", type=int, default=0, help="data order and mask seed (default 0)")
     p.add_argument("--output-dir", default=None, help="default: runs/<config name>")
     p.add_argument("--eval-sequences", type=int, default=32,
@@ -172,6 +174,10 @@ def make_plan(args, world_size: int) -> Plan:
     if (args.anchor_replicas is not None and args.anchor_replicas > 0) or args.anchor_only:
         anchor = dataclasses.replace(anchor, enabled=True)
     tc = dataclasses.replace(tc, anchor=anchor)
+    if args.lora_r is not None:
+        if args.lora_r < 0:
+            raise ConfigError(f"--lora-r must be >= 0 (0: full fine-tuning), got {args.lora_r}")
+        tc = dataclasses.replace(tc, lora=dataclasses.replace(tc.lora, r=args.lora_r))
     z = args.anchor_replicas if args.anchor_replicas is not None else (
         tc.anchor.replicas if tc.anchor.enabled else 0)
     if z < 0:
@@ -286,11 +292,14 @@ def _evaluate(engine, plan, seqs, masked: bool) -> float | None:
     return sum(losses) / len(losses)
 
 
-def _gather_hf_state(engine, spec, world):
-    """All stage weights under HF names on global rank 0 (one stage at a time)."""
+def _gather_hf_state(engine, spec, world, lora: bool = False):
+    """All stage weights under HF names (``lora``: the adapters under PEFT's names) on global
+    rank 0 (one stage at a time)."""
     import torch.distributed as dist
-    from .adapters.pipe_module import stage_hf_state
-    state = stage_hf_state(engine.module, spec) if engine.grid.get_data_parallel_id() == 0 else {}
+    from .adapters.pipe_module import stage_adapter_state, stage_hf_state
+    state = {}
+    if engine.grid.get_data_parallel_id() == 0:
+        state = stage_adapter_state(engine.module) if lora else stage_hf_state(engine.module, spec)
     gathered = [None] * world.size if world.rank == 0 else None
     dist.gather_object(state, gathered, dst=0)
     if world.rank != 0:
@@ -302,13 +311,23 @@ def _gather_hf_state(engine, spec, world):
 
 
 def save_hf_folder(state: dict, plan, out: str) -> None:
-    """Write ``state`` (HF names) plus config and tokenizer as a save_pretrained folder."""
+    """Write ``state`` (HF names) plus config and tokenizer as a save_pretrained folder; with
+    LoRA, ``state`` holds the adapters and the folder is a PEFT adapter folder (its config names
+    the base model)."""
     from safetensors.torch import save_file
 
     tmp = out + ".partial"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
+    if plan.tc.lora.enabled:
+        from .lora import save_adapter_folder
+        save_adapter_folder(state, plan.tc.lora, plan.model_folder, tmp)
+        _copy_tokenizer(plan.model_folder, tmp)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return
     cfg = json.load(open(os.path.join(plan.model_folder, "config.json")))
     tied_kept = plan.spec.tied and plan.tc.tied_embeddings in ("sync", "freeze")
     if plan.spec.tied and not tied_kept:
@@ -320,13 +339,17 @@ def save_hf_folder(state: dict, plan, out: str) -> None:
         json.dump(cfg, f, indent=2)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
               metadata={"format": "pt"})
-    for fn in TOKENIZER_FILES:
-        src = os.path.join(plan.model_folder, fn)
-        if os.path.isfile(src):
-            shutil.copy(src, tmp)
+    _copy_tokenizer(plan.model_folder, tmp)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.replace(tmp, out)
+
+
+def _copy_tokenizer(model_folder: str, out: str) -> None:
+    for fn in TOKENIZER_FILES:
+        src = os.path.join(model_folder, fn)
+        if os.path.isfile(src):
+            shutil.copy(src, out)
 
 
 def log0(is_rank0: bool, msg: str) -> None:
@@ -466,7 +489,8 @@ def build_fast_engine(plan):
 
     tc = plan.tc
     torch.manual_seed(plan.args.seed)
-    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
+    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings, lora=tc.lora,
+                            seed=plan.args.seed)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer(plan, trainable)
     if tc.anchor.enabled:
@@ -649,16 +673,22 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     # (one-off, outside our counters): what this rank received, for the summary
     dp_init_local = (sum(p.numel() * p.element_size() for p in engine.module.parameters())
                      if plan.dp > 1 and engine.grid.get_data_parallel_id() != 0 else 0)
-    totals = _allreduce_wire(world, {"dp_final_sync": dp_final_local, "dp_init": dp_init_local})
+    first_replica = engine.grid.get_data_parallel_id() == 0
+    counts = {"dp_final_sync": dp_final_local, "dp_init": dp_init_local,
+              "trainable": sum(p.numel() for p in engine.module.parameters() if p.requires_grad) if first_replica else 0,
+              "parameters": sum(p.numel() for p in engine.module.parameters()) if first_replica else 0}
+    totals = _allreduce_wire(world, counts)
     dp_final_bytes = totals.pop("dp_final_sync")
     dp_init_bytes = totals.pop("dp_init")
+    params = {"trainable": totals.pop("trainable"), "total": totals.pop("parameters")}
     timing = {k: float(v) for k, v in engine.timing.items()}
     timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
     timing = sum_over_ranks(timing, world)
-    state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world)
+    state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world, tc.lora.enabled)
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
                            anchor_stats, dp_final_bytes, dp_init_bytes)
+        summary["parameters"] = params  # (LoRA: the adapters train, and only they cross the DP link)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
             summary["hf_folder"] = os.path.join(out_dir, "hf")

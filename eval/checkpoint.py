@@ -49,6 +49,10 @@ def _is_hf(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
+def _is_adapter(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
+
+
 def _layer_files(folder: str) -> list[str]:
     return glob.glob(os.path.join(folder, "layer_*-model_states.pt")) + \
         glob.glob(os.path.join(folder, "layer_*-*model_states.pt"))
@@ -84,6 +88,10 @@ def resolve(spec: str) -> dict:
         if _is_hf(os.path.join(path, "hf")):
             return {"kind": "hf", "path": path, "hf_folder": os.path.join(path, "hf"),
                     "summary_path": os.path.join(path, "summary.json")}
+        for folder, summary in ((path, os.path.join(os.path.dirname(path), "summary.json")),
+                                (os.path.join(path, "hf"), os.path.join(path, "summary.json"))):
+            if _is_adapter(folder):  # a PEFT adapter folder (a --lora-r run): base + adapter
+                return {"kind": "adapter", "path": path, "hf_folder": folder, "summary_path": summary}
         for root in (path, os.path.join(path, "checkpoint")):
             tag = _ds_tag_dir(root) if os.path.isdir(root) else None
             if tag is not None:
@@ -194,6 +202,18 @@ def load_checkpoint(spec: str, device: str = "cpu", dtype: str = "auto",
             folder = info["hf_folder"]
             tok_folder = folder
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        elif info["kind"] == "adapter":
+            from peft import PeftModel
+            folder = tok_folder = info["hf_folder"]
+            from ds_twocircuit.lora import base_of
+            from ds_twocircuit.models.presets import resolve_model
+            base = resolve_model(base_model) if base_model else base_of(folder)
+            if not base or not os.path.isdir(base):
+                raise CheckpointError(f"{folder}: the adapter's base model {base!r} is not a folder here; "
+                                      "pass --base-model (a folder or a preset)")
+            info["base_folder"] = base
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype),
+                                              folder).merge_and_unload()   # base + B A (alpha / r)
         else:
             base = _base_folder(info, summary, base_model)
             info["base_folder"] = tok_folder = base

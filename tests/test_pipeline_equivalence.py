@@ -22,8 +22,9 @@ def _config(tmp_path, name="m95", **over):
     return str(path), cfg
 
 
-def reference(cfg, pp, dp, steps=STEPS, seed=0):
-    """Single process: HF model + in-graph PRF masks at the same boundaries."""
+def reference(cfg, pp, dp, steps=STEPS, seed=0, lora=None):
+    """Single process: HF model + in-graph PRF masks at the same boundaries (``lora``: the
+    ``twocircuit.lora`` dict; LoRA adapters as ``--lora-r`` puts them into the pipeline)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.data import MicroBatchStream, PackedSequences, load_documents, split_documents
     from ds_twocircuit.models.presets import resolve_model
@@ -34,6 +35,11 @@ def reference(cfg, pp, dp, steps=STEPS, seed=0):
     tc = cfg["twocircuit"]
     if tc.get("tied_embeddings", "untie") == "untie":
         untie_head(model)
+    if lora:
+        from ds_twocircuit.config import LoRAConfig
+        from ds_twocircuit.lora import add_lora
+        add_lora(model, [(layer, f"model.layers.{i}.") for i, layer in enumerate(model.model.layers)],
+                 LoRAConfig(**lora), seed)
     from ds_twocircuit.config import CodecConfig
     masker = BoundaryMasker(model, pp, mode=tc["mode"], mask_rate=tc["mask_rate"], seed=seed,
                             partition=tc.get("partition", "type"), rescale=tc.get("rescale", False),

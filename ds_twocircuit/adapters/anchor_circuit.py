@@ -326,7 +326,8 @@ def run_anchor(plan, world) -> int:
 
     args, tc = plan.args, plan.tc
     z_rank_world = world.rank
-    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings)
+    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings, lora=tc.lora,
+                            seed=args.seed)  # the same adapters (and names) as the fast circuit
     params = [p for p in module.parameters() if p.requires_grad]
     dummy = torch.optim.SGD(params, lr=0.0)
     ds = copy.deepcopy(plan.ds_config)

@@ -46,7 +46,9 @@ def layer_specs(spec: ModelSpec, tied_mode: str) -> list:
 
 
 def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "balanced",
-                   tied_mode: str = "untie", dtype=torch.float32) -> TwoCircuitPipe:
+                   tied_mode: str = "untie", dtype=torch.float32, lora=None, seed: int = 0) -> TwoCircuitPipe:
+    """This rank's stage of the model; ``lora`` (a ``LoRAConfig`` with ``r > 0``): only LoRA
+    adapters on the decoder projections train (``ds_twocircuit.lora``)."""
     module = TwoCircuitPipe(layer_specs(spec, tied_mode), spec=spec, partition=partition, num_stages=num_stages, loss_fn=causal_lm_loss,
                             partition_method="type:DecoderPipe", activation_checkpoint_interval=0)
     reader = WeightReader(spec.folder)
@@ -58,8 +60,22 @@ def build_pipeline(spec: ModelSpec, num_stages: int, partition: str = "balanced"
         for m in module.modules():
             if isinstance(m, EmbedPipe):
                 m.embed_tokens.weight.requires_grad_(False)
+    if lora is not None and lora.enabled:
+        from ..lora import add_lora
+        add_lora(module, [(m.layer, f"model.layers.{m.layer_idx}.") for m in module.modules()
+                          if isinstance(m, DecoderPipe)], lora, seed)
     mark_stage_parameters(module)
     return module
+
+
+def stage_adapter_state(module: TwoCircuitPipe) -> dict[str, torch.Tensor]:
+    """This stage's LoRA adapter weights under the names of a saved PEFT adapter."""
+    from ..lora import adapter_state
+    out = {}
+    for m in module.modules():
+        if isinstance(m, DecoderPipe):
+            out.update(adapter_state(m.layer, f"model.layers.{m.layer_idx}."))
+    return out
 
 
 def mark_stage_parameters(module) -> None:
