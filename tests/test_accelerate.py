@@ -1,5 +1,6 @@
 """The Accelerate path for real: ``accelerate launch`` with 2 CPU processes through DeepSpeed, the
 shipped Accelerate configs and the example loop, with the DP backend in place of the all-reduce."""
+import glob
 import json
 import os
 import shutil
@@ -85,7 +86,7 @@ def test_trainer_callback_logs_dp_metrics(tmp_path):
     out = tmp_path / "trainer"
     cmd = [ACCELERATE, "launch", "--config_file", cfg, "--main_process_port", str(free_port()),
            os.path.join(ROOT, "examples", "hf_trainer.py"), "--model", "tiny", "--steps", "4",
-           "--output-dir", str(out)]
+           "--output-dir", str(out), "--report-to", "tensorboard"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     history = json.load(open(out / "trainer_state.json"))["log_history"]
@@ -102,3 +103,13 @@ def test_trainer_callback_logs_dp_metrics(tmp_path):
     final = history[-1]
     assert final["dp/final"] == 1.0 and final["dp/bytes_sent"] == 2 * full
     assert final["dp/compression_ratio"] == 2.0 and final["dp/world_size"] == 2
+    # report_to: the TensorBoard reporter got the same values as the log history
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = glob.glob(str(out / "**" / "events.out.tfevents.*"), recursive=True)
+    assert events, "no TensorBoard event file"
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/dp/bytes_sent" in tags, tags
+    logged = [e.value for e in acc.Scalars("train/dp/bytes_sent")]
+    assert logged[:4] == [0, full, full, 2 * full]
