@@ -45,6 +45,9 @@ VARIANTS = {
     # raises cos(G, G_dense) from 0.63 / 0.71 to 0.77 / 0.86 below / above the boundary)
     "lowrank_n224_g": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
                                                               refresh_steps=[0, 2, 8, 32])),
+    # the 38x stretch: half the coefficients (112 at 4 bits: 58 bytes per token), same schedule
+    "lowrank_n112_g": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[112, 4]], coef_norm="sqrt_std",
+                                                              refresh_steps=[0, 2, 8, 32])),
     # the `clean` control: every K-th step runs with a dense boundary (its bytes counted)
     "lowrank_clean10": dict(mode="lowrank", p=0.0, codec=LOWRANK, clean_every=10),
     # anchor correction on top: the dense gradient of the snapshot step's weights and batch, K = 5
