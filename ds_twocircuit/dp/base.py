@@ -199,8 +199,8 @@ class DPBackend:
 
     ``named_params``: the parameters this rank holds (for a pipeline stage: that stage's only),
     in a fixed order that is the same on all DP ranks.  Parameters with ``requires_grad=False``
-    are ignored (frozen weights stay identical on all replicas).  ``group``: the DP process group
-    ``comm``: the :class:`Communicator` of the DP replicas (``None``: a world of one).
+    are ignored (frozen weights stay identical on all replicas).  ``comm``: the
+    :class:`Communicator` of the DP replicas (``None``: a world of one).
     """
 
     backend_name = "base"  # set by @register_backend
