@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Projected tokens/s of each method on a GPU mesh joined by slow links (a cost model, not a run).
+
+    python launch/project.py --model-size 1.24e9 --hidden 2048 --mesh 8x8 --link-mbit 200 --gpu-tflops 125
+
+``--mesh PPxDP``: pipeline stages x data-parallel replicas. Per method, the boundary bytes per
+token follow from the codec (``--wire-bytes`` per value: 2 for bf16), the DP bytes from the DP
+method (a ring all-reduce of every gradient, or the measured compression of
+docs/benchmarks/dp.json for PowerSGD + Streaming DiLoCo), and the step time from
+``ds_twocircuit.costmodel`` (1F1B with its bubbles, blocking sends, exposed DP time). The output
+is labelled a projection; ``--out DIR`` writes ``projection.json`` and ``projection.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ds_twocircuit.costmodel import Setting, compute_only, ring_allreduce_bytes, step_breakdown  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DP_JSON = os.path.join(ROOT, "docs", "benchmarks", "dp.json")
+
+
+def measured_dp_ratio(path: str = DP_JSON) -> float:
+    """x fewer DP bytes than the all-reduce in the training loop, PowerSGD + Streaming DiLoCo
+    (docs/benchmarks/dp.json, measured on SmolLM2)."""
+    with open(path) as f:
+        d = json.load(f)
+    for e in d["entries"]:
+        if e["backend"] == "powersgd+streaming_diloco":
+            return float(e["dp_bytes_reduction_training_vs_allreduce"])
+    raise KeyError(f"{path}: no powersgd+streaming_diloco entry")
+
+
+def methods(hidden: int, wire_bytes: int, lowrank_rank: int, lowrank_bits: int, dp_ratio: float) -> dict:
+    """name -> (boundary bytes per token each way, DP bytes divisor, low-rank state or None)."""
+    k95 = max(1, round(0.05 * hidden))
+    lowrank = lowrank_rank * lowrank_bits / 8 + 2        # one group: values + its bf16 scale
+    return {
+        "dense": (hidden * wire_bytes, 1.0, None),
+        "dense + DP compression": (hidden * wire_bytes, dp_ratio, None),
+        "M95 (paper codec)": (k95 * wire_bytes, 1.0, None),
+        "M95 + DP compression": (k95 * wire_bytes, dp_ratio, None),
+        f"low-rank {lowrank_rank}x{lowrank_bits}b + DP compression (ours)": (lowrank, dp_ratio, lowrank_rank),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-size", type=float, required=True, help="parameters, e.g. 1.24e9")
+    p.add_argument("--hidden", type=int, required=True, help="hidden size (boundary width)")
+    p.add_argument("--mesh", default="8x8", help="PPxDP, e.g. 8x8")
+    p.add_argument("--link-mbit", type=float, default=200.0)
+    p.add_argument("--latency-ms", type=float, default=0.0)
+    p.add_argument("--gpu-tflops", type=float, default=125.0, help="effective TFLOP/s per GPU (peak x MFU)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batches", type=int, default=8, help="per step and replica")
+    p.add_argument("--wire-bytes", type=int, default=2, help="bytes per value on the wire (bf16: 2)")
+    p.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient value in the DP sync")
+    p.add_argument("--lowrank-rank", type=int, default=112, help="coefficients per token (bf16: half of fp32's 224)")
+    p.add_argument("--lowrank-bits", type=int, default=4)
+    p.add_argument("--refreshes", type=int, default=4, help="low-rank state refreshes over --steps")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--out", default=None, help="write projection.json / projection.md here")
+    args = p.parse_args(argv)
+    try:
+        pp, dp = (int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        p.error(f"--mesh {args.mesh!r}: expected PPxDP, e.g. 8x8")
+    dp_ratio = measured_dp_ratio()
+    base = Setting(params=args.model_size, pp=pp, dp=dp, micro_batches=args.micro_batches,
+                   tokens_per_micro=args.micro_batch * args.seq_len, flops=args.gpu_tflops * 1e12,
+                   link_mbit=args.link_mbit, latency_s=args.latency_ms / 1e3)
+    dense_dp = ring_allreduce_bytes(args.grad_bytes * args.model_size / pp, dp)
+    rows = []
+    for name, (bpt, dp_div, rank) in methods(args.hidden, args.wire_bytes, args.lowrank_rank, args.lowrank_bits,
+                                             dp_ratio).items():
+        state = 0.0
+        if rank is not None:  # mean + basis + per-direction scales, bf16, each refresh, amortised
+            state = args.refreshes * (args.hidden + rank * args.hidden + rank) * 2 / args.steps
+        s = base.replace(bytes_per_token=bpt, state_bytes_per_step=state, dp_bytes_per_rank=dense_dp / dp_div)
+        b = step_breakdown(s)
+        wire_per_token = (2 * (pp - 1) * (bpt * s.tokens_per_micro * s.micro_batches + state) * dp
+                          + dp * pp * s.dp_bytes_per_rank) / b["tokens_per_step"]
+        rows.append({"method": name, "tokens_per_s": round(b["tokens_per_s"], 1),
+                     "share_of_compute_only": round(b["tokens_per_s"] / step_breakdown(compute_only(s))["tokens_per_s"], 4),
+                     "bytes_per_token": round(wire_per_token, 1), "boundary_bytes_per_token_each_way": bpt,
+                     "step_s": round(b["step_s"], 3), "compute_s": round(b["compute_s"], 3),
+                     "boundary_s": round(b["boundary_s"], 3), "dp_exposed_s": round(b["dp_exposed_s"], 3)})
+    dense_tps = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup_vs_dense"] = round(r["tokens_per_s"] / dense_tps, 2)
+    command = "python launch/project.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    out = {"kind": "projection (cost model, not a measurement)", "command": command,
+           "setting": {**vars(args), "pp": pp, "dp": dp, "dp_compression_measured_x": dp_ratio}, "rows": rows}
+    lines = [f"**Projection** (ds_twocircuit.costmodel, not a measurement): {args.model_size:.3g} parameters, "
+             f"mesh {pp}x{dp}, {args.link_mbit:g} Mbit/s, {args.gpu_tflops:g} effective TFLOP/s per GPU, "
+             f"{args.micro_batches} x {args.micro_batch} x {args.seq_len} tokens per replica and step. "
+             f"Command: `{command}`", "",
+             "| method | tokens/s | x dense | share of compute-only | bytes/token | step s (compute / boundaries / DP) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:,.0f} | {r['speedup_vs_dense']:.1f} | "
+                     f"{r['share_of_compute_only']:.0%} | {r['bytes_per_token']:,.0f} | {r['step_s']:.2f} "
+                     f"({r['compute_s']:.2f} / {r['boundary_s']:.2f} / {r['dp_exposed_s']:.2f}) |")
+    print("\n".join(lines))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "projection.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        with open(os.path.join(args.out, "projection.md"), "w") as f:
+            f.write("# Throughput projection\n\n" + "\n".join(lines) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
