@@ -835,7 +835,9 @@ def print_summary(s: dict, out_dir: str) -> None:
         "wire bytes: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in wb.items()),
         f"bytes per token: {s['bytes_per_token']:.1f}",
         f"outputs: {out_dir}/summary.json, {out_dir}/metrics.jsonl"
-        + (f", {s['hf_folder']} (Hugging Face folder)" if "hf_folder" in s else ""),
+        + (f", {s['hf_folder']} ("
+           + ("PEFT adapter folder" if s["config"]["twocircuit"]["lora"]["r"] else "Hugging Face folder") + ")"
+           if "hf_folder" in s else ""),
     ]
     print("\n".join(lines), flush=True)
 
