@@ -160,6 +160,10 @@ class TwoCircuitConfig:
         check_choice(self.wire_dtype, ("auto", "fp32", "bf16", "fp16"), f"{p}.wire_dtype")
         check_choice(self.partition, ("balanced", "type", "uniform"), f"{p}.partition")
         check_choice(self.tied_embeddings, ("untie", "sync", "freeze"), f"{p}.tied_embeddings")
+        if self.lora.enabled and self.tied_embeddings == "sync":
+            raise ConfigError(f"{p}.lora with {p}.tied_embeddings = 'sync': under LoRA the tied embedding is "
+                              "frozen, so there is no gradient to sync between the first and last stage; "
+                              "use 'freeze' (one shared frozen copy) or 'untie'")
         if self.mode == "topk" and self.mask_rate == 0.0:
             raise ConfigError(f"{p}.mask_rate must be > 0 with {p}.mode = 'topk'")
 

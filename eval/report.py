@@ -129,11 +129,21 @@ def _json_default(o):
     return str(o)
 
 
+def plot_kind(results: dict) -> str:
+    """``sweep`` when some checkpoint was scored at more than one sparsity, else ``comparison``."""
+    return "sweep" if any(len({r["sparsity"] for r in c["runs"]}) > 1 for c in results["checkpoints"]) \
+        else "comparison"
+
+
 def plot(results: dict, path: str) -> str:
-    """One panel per task: score vs sparsity, one line per checkpoint; plus the mean relative drop."""
+    """A pruning sweep: one panel per task, score vs sparsity, one line per checkpoint, plus the
+    mean relative drop. Without a sweep: side-by-side bars of each task's score per checkpoint."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if plot_kind(results) == "comparison":
+        return _plot_comparison(results, path, plt)
 
     cps = results["checkpoints"]
     summaries = [sweep_summary(c) for c in cps]
@@ -167,6 +177,45 @@ def plot(results: dict, path: str) -> str:
             ax.legend(fontsize=8)
     scope = results["settings"].get("pruning_scope", "")
     fig.suptitle(f"Magnitude-pruning robustness ({scope})" + (" - masked inference" if results["settings"].get("masked") else ""))
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_comparison(results: dict, path: str, plt) -> str:
+    cps = results["checkpoints"]
+    tasks = []
+    for c in cps:
+        for r in c["runs"]:
+            tasks += [t for t in r["tasks"] if t not in tasks]
+    cols = min(3, max(1, len(tasks)))
+    rows = max(1, math.ceil(len(tasks) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.axis("off")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, t in zip(axes.flat, tasks):
+        labels, scores, metric, higher = [], [], "", True
+        for c in cps:
+            res = next((r["tasks"][t] for r in c["runs"] if t in r["tasks"]), {})
+            labels.append(c["label"])
+            scores.append(res.get("score"))
+            metric = res.get("metric", metric)
+            higher = res.get("higher_is_better", higher)
+        xs = range(len(labels))
+        bars = ax.bar(xs, [v if v is not None else 0.0 for v in scores],
+                      color=[colors[i % len(colors)] for i in xs])
+        for b, v in zip(bars, scores):
+            ax.annotate("n/a" if v is None else f"{v:.4g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        ax.set_title(t)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Comparison: " + " vs ".join(c["label"] for c in cps)
+                 + (" - masked inference" if results["settings"].get("masked") else ""))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -195,3 +195,14 @@ def test_shipped_accelerate_configs_point_at_valid_deepspeed_jsons(name):
     # integers, not "auto": Accelerate on a CPU host counts one process per rank
     assert all(isinstance(ds[k], int) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
     assert "train_batch_size" not in ds
+
+
+def test_lora_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ConfigError, match=r"twocircuit\.lora with twocircuit\.tied_embeddings = 'sync'.*use 'freeze'"):
+        TwoCircuitConfig.from_dict({"tied_embeddings": "sync", "lora": {"r": 8}})
+    with pytest.raises(ConfigError, match=r"--lora-r must be >= 0"):
+        _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--lora-r", "-1"])
+    with pytest.raises(ConfigError, match=r"twocircuit\.lora\.target_modules must be a non-empty list"):
+        TwoCircuitConfig.from_dict({"lora": {"r": 8, "target_modules": []}})
+    plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--lora-r", "16"])
+    assert plan.tc.lora.r == 16 and plan.tc.lora.enabled

