@@ -89,8 +89,15 @@ def _materialize(folder: str, build) -> str:
             return folder
         model, tok = build()
         tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=f".{os.path.basename(folder)}-")
+        # Under an initialised process group transformers writes a model from rank 0 only; the
+        # cache is per host and whichever rank holds the lock writes it, so this one must.
+        model.should_save_on_this_rank = lambda is_main_process: True
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        missing = [f for f in ("config.json", "model.safetensors") if not os.path.isfile(os.path.join(tmp, f))]
+        if missing:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"writing the {os.path.basename(folder)} model to {folder} left out {missing}")
         os.chmod(tmp, 0o755)
         _publish(tmp, folder)
     return folder
