@@ -48,6 +48,9 @@ VARIANTS = {
     # the 38x stretch: half the coefficients (112 at 4 bits: 58 bytes per token), same schedule
     "lowrank_n112_g": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[112, 4]], coef_norm="sqrt_std",
                                                               refresh_steps=[0, 2, 8, 32])),
+    # the same 58 bytes as lowrank_n112_g spent on all 224 coefficients at 2 bits
+    "lowrank_n224x2_g": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 2]], coef_norm="sqrt_std",
+                                                                refresh_steps=[0, 2, 8, 32])),
     # the `clean` control: every K-th step runs with a dense boundary (its bytes counted)
     "lowrank_clean10": dict(mode="lowrank", p=0.0, codec=LOWRANK, clean_every=10),
     # anchor correction on top: the dense gradient of the snapshot step's weights and batch, K = 5
