@@ -203,6 +203,12 @@ def make_plan(args, world_size: int) -> Plan:
     model_folder = resolve_model(args.model)
     spec = ModelSpec(model_folder)
     parts = spec.parts(pp, tc.partition)  # raises on more stages than layers
+    if tc.lora.enabled:  # layers: embedding 0, decoders 1..L, then norm and head
+        empty = [i for i in range(pp) if not (parts[i] <= spec.num_layers and parts[i + 1] > 1)]
+        if empty:
+            raise ConfigError(f"--lora-r / twocircuit.lora: stage {empty[0]} of --pp {pp} holds no decoder layer, "
+                              "so it would have nothing to train; use fewer stages or "
+                              "twocircuit.partition = 'type' (decoders spread evenly)")
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
     if spec.max_positions and args.seq_len > spec.max_positions:

@@ -206,3 +206,13 @@ def test_lora_refuses_what_it_cannot_do(tmp_path):
         TwoCircuitConfig.from_dict({"lora": {"r": 8, "target_modules": []}})
     plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--lora-r", "16"])
     assert plan.tc.lora.r == 16 and plan.tc.lora.enabled
+
+
+def test_lora_refuses_a_stage_without_decoder_layers(tmp_path, monkeypatch):
+    from ds_twocircuit.models import layers
+    # tiny has 4 decoders (pipeline layers 1..4, norm 5, head 6): stage 1 = the norm alone
+    monkeypatch.setattr(layers.ModelSpec, "parts", lambda self, n, m: [0, 5, 6, 7])
+    argv = ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--pp", "3"]
+    assert _plan(tmp_path, argv, world=3).pp == 3                  # without LoRA: allowed
+    with pytest.raises(ConfigError, match=r"stage 1 of --pp 3 holds no decoder layer"):
+        _plan(tmp_path, argv + ["--lora-r", "8"], world=3)

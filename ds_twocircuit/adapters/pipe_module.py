@@ -10,8 +10,8 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from ..models.layers import (DecoderPipe, EmbedPipe, HeadPipe, ModelSpec, NormPipe, PIPE_LAYER_TYPES,
-                     WeightReader, causal_lm_loss, hf_state_of, load_layer_weights,
-                     tied_head_forward)
+                             WeightReader, causal_lm_loss, hf_state_of, load_layer_weights,
+                             tied_head_forward)
 
 
 class TwoCircuitPipe(PipelineModule):
