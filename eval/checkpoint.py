@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from ds_twocircuit.lora import is_adapter_folder
+
 
 class CheckpointError(ValueError):
     """The checkpoint cannot be used: the message says what was expected."""
@@ -49,8 +51,6 @@ def _is_hf(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
-def _is_adapter(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "adapter_config.json"))
 
 
 def _layer_files(folder: str) -> list[str]:
@@ -90,7 +90,7 @@ def resolve(spec: str) -> dict:
                     "summary_path": os.path.join(path, "summary.json")}
         for folder, summary in ((path, os.path.join(os.path.dirname(path), "summary.json")),
                                 (os.path.join(path, "hf"), os.path.join(path, "summary.json"))):
-            if _is_adapter(folder):  # a PEFT adapter folder (a --lora-r run): base + adapter
+            if is_adapter_folder(folder):  # a PEFT adapter folder (a --lora-r run): base + adapter
                 return {"kind": "adapter", "path": path, "hf_folder": folder, "summary_path": summary}
         for root in (path, os.path.join(path, "checkpoint")):
             tag = _ds_tag_dir(root) if os.path.isdir(root) else None

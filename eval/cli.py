@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "optional magnitude-pruning sweeps, side-by-side comparison and masked inference.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_argument_group("what to evaluate")
-    src.add_argument("--checkpoint", help="HF folder, run folder (hf/ or checkpoint/), DeepSpeed "
-                                          "checkpoint folder, or preset (smollm2-135m, tiny)")
+    src.add_argument("--checkpoint", help="HF folder, PEFT adapter folder (base + adapter, merged), run "
+                                          "folder (hf/ or checkpoint/), DeepSpeed checkpoint folder, or "
+                                          "preset (smollm2-135m, tiny)")
     src.add_argument("--compare", nargs=2, metavar=("A", "B"),
                      help="evaluate two checkpoints with the same settings, side by side")
     src.add_argument("--labels", help="comma-separated names for the checkpoints in tables and plots")

@@ -655,3 +655,13 @@ def test_powersgd_config_is_checked_in_compressor():
     with pytest.raises(ValueError, match="matrix_approximation_rank"):
         PowerSGDCompressor({"matrix_approximation_rank": -1})
     assert math.isclose(PowerSGDCompressor().cfg.min_compression_rate, 2.0)
+
+
+def test_replicas_in_sync_follows_the_diloco_schedule(fake_dp_world):
+    m = _toy_model()
+    b = build_backend(list(m.named_parameters()), fake_dp_world, {"backend": "diloco", "inner_steps": 2})
+    assert b.replicas_in_sync()                       # identical start
+    b.after_optimizer_step(0)                         # a local step, no sync due: replicas drift
+    assert not b.replicas_in_sync()
+    assert build_backend(list(m.named_parameters()), fake_dp_world, {"backend": "allreduce"}).replicas_in_sync()
+    assert build_backend(list(m.named_parameters()), None, {"backend": "diloco"}).replicas_in_sync()

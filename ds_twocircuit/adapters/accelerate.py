@@ -34,7 +34,10 @@ def enable_dp_compression(accelerator, dp: dict | None = None):
 def finalize_dp(accelerator) -> bool:
     """End of training: finish in-flight syncs and average drifted replicas once (DiLoCo), so
     every replica holds the same model before it is saved. True if the weights changed."""
-    engine = _engine(accelerator)
+    return _finalize(_engine(accelerator))
+
+
+def _finalize(engine) -> bool:
     backend = getattr(engine, "dp_backend", None)
     if backend is None:
         return False
@@ -82,8 +85,6 @@ class DPCompressionCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         engine = self.trainer.model_wrapped
-        backend = getattr(engine, "dp_backend", None)
-        if backend is not None:
-            backend.finalize()
-            engine.dp_totals.add(backend.pop_step_stats(), backend, optimizer_step=False)
+        if getattr(engine, "dp_backend", None) is not None:
+            _finalize(engine)
             state.log_history.append({**dp_metrics(engine), "step": state.global_step, "dp/final": 1.0})

@@ -96,8 +96,7 @@ class DPTotals:
         self.collectives += int(stats.get("collectives", 0))
         self.comm_s += float(stats.get("comm_s", 0.0))
         self.hidden_comm_s += float(stats.get("hidden_comm_s", 0.0))
-        self.in_sync = not backend.replicas_may_differ or not (any(getattr(backend, "dirty", [True]))
-                                                               or getattr(backend, "pending", None))
+        self.in_sync = backend.replicas_in_sync()
 
     def metrics(self) -> dict:
         """``dp/...`` metrics: bytes this rank sent, the ratio to a plain all-reduce of the same

@@ -263,6 +263,11 @@ class DPBackend:
             self._after_final_average(g, idx)
         return changed or bool(groups)
 
+    def replicas_in_sync(self) -> bool:
+        """Whether every replica holds the same weights right now (between syncs a backend whose
+        replicas drift says no)."""
+        return not self.replicas_may_differ or self.world_size <= 1
+
     def _drifted_groups(self) -> list[list[int]]:
         """Indices (into ``params``) of the parameters that may differ between replicas now, one
         list per all-reduce bucket group; default: all of them in one group."""

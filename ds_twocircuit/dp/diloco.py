@@ -178,6 +178,9 @@ class DiLoCo(DPBackend):
                 self.backup[i].copy_(self.params[i].detach())  # the outer state restarts from the average
         self.dirty[self._final[group]] = False
 
+    def replicas_in_sync(self) -> bool:
+        return self.world_size <= 1 or not (any(self.dirty) or self.pending)
+
     def _final_step(self) -> int:
         return self.last_step
 
