@@ -10,13 +10,20 @@ import torch
 from safetensors.torch import load_file
 
 from launch_helpers import read_metrics, read_summary, torchrun
-from test_pipeline_equivalence import STEPS, _config, reference
+from test_pipeline_equivalence import SGD_LR, STEPS, _config, reference
 
 LORA = {"r": 4, "alpha": 8.0}
 
 
 def _lora_run(tmp_path, argv, nprocs=2):
+    """SGD without clipping, as the full-model equivalence test: the update is lr x gradient, so a
+    tight tolerance holds on any CPU (AdamW would turn a rounding difference in a near-zero
+    gradient -- B starts at zero -- into a difference of ~lr)."""
     path, cfg = _config(tmp_path, "m95", lora=LORA)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": SGD_LR}}
+    cfg["gradient_clipping"] = 0.0
+    with open(path, "w") as f:
+        json.dump(cfg, f)
     out = tmp_path / "run"
     torchrun(nprocs, ["--deepspeed", path, "--model", "tiny", "--steps", str(STEPS), "--seq-len", "32",
                       "--eval-sequences", "8", "--output-dir", str(out), *argv], timeout=600)
@@ -53,14 +60,14 @@ def test_masked_pipeline_with_lora_matches_single_process_reference(tmp_path):
     out, cfg = _lora_run(tmp_path, ["--pp", "2", "--save-interval", str(STEPS)])
     ref_losses, ref_state = reference(cfg, pp=2, dp=1, lora=LORA)
     got = [m["loss"] for m in read_metrics(out)]
-    assert got == pytest.approx(ref_losses, rel=1e-4)
+    assert got == pytest.approx(ref_losses, rel=1e-5)
     adapters = load_file(os.path.join(out, "hf", "adapter_model.safetensors"))
     from transformers import AutoConfig
     from ds_twocircuit.models.presets import resolve_model
     n_layers = AutoConfig.from_pretrained(resolve_model("tiny")).num_hidden_layers
     assert len(adapters) == n_layers * 7 * 2                 # layers x 7 projections x (A, B)
     worst = max(float((v - ref_state[_peft_to_module_name(k)]).abs().max()) for k, v in adapters.items())
-    assert worst < 2e-5, worst
+    assert worst < 2e-6, worst
     assert any(float(v.abs().max()) > 0 for k, v in adapters.items() if "lora_B" in k)  # B trained
     # parameter diff: in the run's DeepSpeed checkpoint every weight but the adapters is the base's
     from transformers import AutoModelForCausalLM
