@@ -422,18 +422,23 @@ def run(argv=None) -> int:
     from .adapters.dist import init_world
     world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
     progress = Progress()
+    from .adapters.dist import shutdown_world
     try:
         if world.role == "anchor":
             from .adapters.anchor_circuit import run_anchor
-            return run_anchor(plan, world)
-        try:
-            return run_fast(plan, world, progress)
-        finally:
-            if progress.census is not None:
-                progress.census.stop()
+            rc = run_anchor(plan, world)
+        else:
+            try:
+                rc = run_fast(plan, world, progress)
+            finally:
+                if progress.census is not None:
+                    progress.census.stop()
+        shutdown_world()
+        return rc
     except ConfigError as e:  # found after start-up (e.g. --resume): every rank finds the same
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        shutdown_world()
         return 2
     except Exception as e:
         from .faults import lost_peer_reason

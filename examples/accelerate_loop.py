@@ -93,6 +93,7 @@ def main(argv=None):
                        "accelerate_num_processes": accelerator.num_processes, **metrics}, f, indent=2)
         print(f"saved {args.output_dir}/hf; {json.dumps(metrics)}", flush=True)
     accelerator.wait_for_everyone()
+    accelerator.end_training()      # destroys the process group: gloo's threads must not outlive the interpreter
 
 
 if __name__ == "__main__":

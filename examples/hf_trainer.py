@@ -67,6 +67,7 @@ def main(argv=None):
     trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "hf"))   # Trainer saves on the main process only
     trainer.save_state()                                        # trainer_state.json: the log history
+    trainer.accelerator.end_training()      # destroys the process group: gloo's threads must not outlive the interpreter
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def env(extra: dict | None = None) -> dict:
 
 
 def torchrun(nprocs: int, args: list[str], timeout: int = 600, check: bool = True, extra_env=None,
-             max_restarts: int = 0):
+             max_restarts: int = 0, script: str = TRAIN):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           *(["--max-restarts", str(max_restarts)] if max_restarts else []), TRAIN] + args
+           *(["--max-restarts", str(max_restarts)] if max_restarts else []), script] + args
     return _run(cmd, timeout, check, extra_env)
 
 

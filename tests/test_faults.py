@@ -124,3 +124,24 @@ def test_fault_specs():
     for bad in ("explode:rank=1:step=2", "kill:rank=1", "kill:rank=a:step=2", "kill:node=1:step=2"):
         with pytest.raises(ConfigError, match="DS_TWOCIRCUIT_FAULT"):
             parse_fault(bad)
+
+
+@pytest.mark.multiproc
+def test_a_clean_run_destroys_its_process_group(tmp_path):
+    """Every rank ends a finished run with its process group destroyed, as PyTorch asks: left alive,
+    gloo's threads can outlive the interpreter, and a rank that saved everything then aborts at
+    exit (SIGABRT, "terminate called without an active exception"), failing the launch (seen once
+    in CI under ``accelerate launch``). Also after a configuration error found after start-up."""
+    from launch_helpers import CONFIGS, torchrun
+    script = tmp_path / "wrapped_train.py"
+    script.write_text("import sys, torch.distributed as dist\n"
+                      "from ds_twocircuit.train import run\n"
+                      "rc = run(sys.argv[1:])\n"
+                      "print(f'RC {rc} GROUP_ALIVE {dist.is_initialized()}', flush=True)\n")
+    common = ["--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "m95.json"), "--seq-len", "16",
+              "--eval-sequences", "0"]
+    ok = torchrun(2, [*common, "--steps", "2", "--output-dir", str(tmp_path / "ok")], script=str(script))
+    assert ok.stdout.count("RC 0 GROUP_ALIVE False") == 2, ok.stdout[-3000:] + ok.stderr[-3000:]
+    bad = torchrun(2, [*common, "--steps", "2", "--output-dir", str(tmp_path / "bad"),
+                       "--resume", str(tmp_path / "nowhere")], script=str(script), check=False)
+    assert bad.stdout.count("RC 2 GROUP_ALIVE False") == 2, bad.stdout[-3000:] + bad.stderr[-3000:]

@@ -457,6 +457,7 @@ _DS_SCRIPT = textwrap.dedent("""
     assert opt.anchor_updates == 1 and opt.current_step == 3
     train_step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), expected))
+    torch.distributed.destroy_process_group()
     print("DS_OK")
 """)
 

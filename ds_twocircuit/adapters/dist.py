@@ -132,6 +132,16 @@ def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
     return World(role, rank, size, grank, gsize, lrank, backend, prefix)
 
 
+def shutdown_world() -> None:
+    """Destroy the process group at a clean end (all ranks finished, everything saved). Without it
+    gloo's worker threads can outlive the interpreter, and a rank then aborts after its work is done
+    (SIGABRT, "terminate called without an active exception"), failing the whole launch. Not called
+    after a lost peer: tearing down a group with a dead member can hang."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def supervise(argv) -> int:
     """Run the anchor worker as a child process; never fail the launch because of it."""
     env = dict(os.environ, **{CHILD_ENV: "1"})
