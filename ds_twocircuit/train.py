@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import pacing
 from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load_ds_config, resolve_config
 
 DEFAULT_CONFIG = "ds_configs/lowrank.json"  # resolved by config.resolve_config after any install
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-timeout", type=float, default=300.0,
                    help="seconds a rank waits for a silent peer (hung process, black-holed link) before "
                         "it stops with a diagnosis (default 300)")
+    p.add_argument("--pace-mbit", type=float, default=None,
+                   help="software throttle: pace this run's pipeline and DP sends as if every link ran at "
+                        "this rate (Mbit/s each direction), for hosts where launch/mesh.py cannot create "
+                        "network namespaces; default: $DS_TWOCIRCUIT_PACE_MBIT, else no pacing")
     p.add_argument("--no-save-model", action="store_true", help="skip writing <output_dir>/hf")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deepspeed", dest="deepspeed_flag", action="store_true", default=False,
@@ -178,6 +183,8 @@ def make_plan(args, world_size: int) -> Plan:
         if args.lora_r < 0:
             raise ConfigError(f"--lora-r must be >= 0 (0: full fine-tuning), got {args.lora_r}")
         tc = dataclasses.replace(tc, lora=dataclasses.replace(tc.lora, r=args.lora_r))
+    if args.pace_mbit is not None and not args.pace_mbit >= 0:
+        raise ConfigError(f"--pace-mbit must be >= 0 Mbit/s (0: no pacing), got {args.pace_mbit}")
     z = args.anchor_replicas if args.anchor_replicas is not None else (
         tc.anchor.replicas if tc.anchor.enabled else 0)
     if z < 0:
@@ -419,6 +426,18 @@ def run(argv=None) -> int:
     if anchor_role and not os.environ.get(CHILD_ENV):
         return supervise(sys.argv[1:] if argv is None else list(argv))
     prepare_runtime()
+    try:
+        if args.pace_mbit is not None:
+            pacing.configure(args.pace_mbit)
+        from .adapters.dist import comm_backend
+        if pacing.current() is not None and comm_backend() != "gloo":   # else from the environment
+            raise ValueError(f"the software throttle (--pace-mbit / ${pacing.ENV}) paces gloo's sends "
+                             f"from a thread; this run uses {comm_backend()}: cap real or emulated links "
+                             "instead (launch/mesh.py), or run on CPU")
+    except ValueError as e:  # a bad $DS_TWOCIRCUIT_PACE_MBIT, or NCCL
+        if grank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     from .adapters.dist import init_world
     world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
     progress = Progress()
@@ -788,6 +807,7 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
                    "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
                    "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
                    "mask_seed": engine.mask_seed},
+        "pace_mbit": pacing.current().mbit if pacing.current() is not None else None,
         "steps": steps_run, "first_step": start_step, "tokens": tokens, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 3),
         "loss_first": log.losses[0], "loss_last": log.losses[-1],

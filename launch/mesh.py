@@ -31,6 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = "10.77.0"
+UNCAPPED_MBIT = 10000   # --mbit 0: the per-link classes run at 10 Gbit/s (faster than 2 cores can send)
 
 
 def sh(*cmd, check=True):
@@ -38,8 +39,14 @@ def sh(*cmd, check=True):
 
 
 def burst(mbit: float) -> int:
-    """HTB bucket: about 10 ms of traffic, at least 256 KiB (smaller under-shoots fast links)."""
-    return max(262144, int(mbit * 1e6 / 8 / 100))
+    """HTB bucket. An idle link refills its whole bucket, which then crosses at line rate, so the
+    bucket is traffic the cap lets through free at the start of every transfer: 256 KiB let a
+    third of a 0.76 MB all-reduce through free at 8 Mbit/s, and 16 KiB made 2-stage pipeline
+    steps 13% faster than the link allows. About 1 ms of traffic (at least 3000 bytes, two
+    packets) below 1 Gbit/s; 10 ms from 1 Gbit/s, where smaller buckets under-shoot the rate."""
+    if mbit >= 1000:
+        return int(mbit * 1e6 / 8 / 100)
+    return max(3000, int(mbit * 1e6 / 8 / 1000))
 
 
 class Mesh:
@@ -78,7 +85,8 @@ class Mesh:
             for j in range(self.n):
                 if j == i:
                     continue
-                r, b = self.rate(i, j), burst(self.rate(i, j))
+                r = self.rate(i, j) or UNCAPPED_MBIT   # 0: no cap, but the link's bytes are still counted
+                b = burst(r)
                 sh("tc", "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{10 + j}", "htb",
                    "rate", f"{r}mbit", "ceil", f"{r}mbit", "burst", str(b), "cburst", str(b), "quantum", "60000")
                 sh("tc", "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
@@ -161,7 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--procs-per-node", type=int, default=1,
                    help="processes per node (default 1); ranks of one node talk over its loopback, "
                         "uncapped and uncounted, as on a real machine")
-    p.add_argument("--mbit", type=float, default=200.0, help="cap of every directed link (default 200)")
+    p.add_argument("--mbit", type=float, default=200.0,
+                   help="cap of every directed link (default 200; 0: uncapped, bytes still counted)")
     p.add_argument("--link", action="append", help="per-link cap I-J:MBIT (repeatable)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port on rank 0's address")
     p.add_argument("--timeout", type=int, default=3600, help="seconds before the run is stopped")
@@ -174,7 +183,10 @@ def main(argv=None) -> int:
     if not script:
         sys.exit("error: nothing to run after --")
     if os.geteuid() != 0:
-        sys.exit("error: network namespaces need root (run with sudo), or run without the mesh")
+        sys.exit("error: network namespaces need root (run with sudo). Without them, train.py's software "
+                 "throttle paces the project's own sends instead: launch/train.py ... --pace-mbit RATE")
+    if args.mbit < 0:
+        sys.exit(f"error: --mbit must be >= 0 (0: uncapped), got {args.mbit}")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             sys.exit(f"error: '{tool}' not found: install iproute2")
@@ -189,7 +201,17 @@ def main(argv=None) -> int:
     t0 = time.time()
     rc = 1
     try:
-        mesh.up()
+        try:
+            mesh.up()
+        except subprocess.CalledProcessError as e:
+            what = " ".join(e.cmd[:4])
+            sys.stderr.write(
+                f"error: cannot build the emulated mesh: '{what} ...' failed: {(e.stderr or '').strip()}\n"
+                "This host does not allow network namespaces or traffic control (an unprivileged "
+                "container?). What is missing: CAP_NET_ADMIN and CAP_SYS_ADMIN (ip netns) and the sch_htb "
+                "kernel module (tc). Without them, use the software throttle, which paces the "
+                "project's own sends: launch/train.py ... --pace-mbit RATE (or DS_TWOCIRCUIT_PACE_MBIT=RATE)\n")
+            return 1
         cores = os.cpu_count() or 1
         if args.per_node_launcher == "deepspeed":
             os.makedirs(os.path.dirname(hostfile), exist_ok=True)

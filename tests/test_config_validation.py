@@ -216,3 +216,22 @@ def test_lora_refuses_a_stage_without_decoder_layers(tmp_path, monkeypatch):
     assert _plan(tmp_path, argv, world=3).pp == 3                  # without LoRA: allowed
     with pytest.raises(ConfigError, match=r"stage 1 of --pp 3 holds no decoder layer"):
         _plan(tmp_path, argv + ["--lora-r", "8"], world=3)
+
+
+def test_software_throttle_refuses_bad_rates_and_nccl(tmp_path, capsys, monkeypatch):
+    from ds_twocircuit import pacing
+    with pytest.raises(ConfigError, match=r"--pace-mbit must be >= 0 Mbit/s"):
+        _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--pace-mbit", "-8"])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(pacing, "_configured", False)
+    monkeypatch.setenv(pacing.ENV, "eight")
+    assert run(["--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "m95.json"), "--pp", "1"]) == 2
+    assert "DS_TWOCIRCUIT_PACE_MBIT='eight': expected a rate in Mbit/s" in capsys.readouterr().err
+    import ds_twocircuit.adapters.dist as dist_adapter
+    monkeypatch.setattr(dist_adapter, "comm_backend", lambda: "nccl")
+    assert run(["--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "m95.json"), "--pp", "1",
+                "--pace-mbit", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "paces gloo's sends" in err and "this run uses nccl" in err and "launch/mesh.py" in err
+    pacing.configure(None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import pacing
 from ..dp.base import Communicator, LocalComm
 
 
@@ -33,7 +34,12 @@ class TorchComm(Communicator):
 
 def dp_comm(group, world_size: int) -> Communicator:
     """The DP replicas' communicator: :class:`LocalComm` for one replica (no process group needed),
-    else :class:`TorchComm` over ``group``."""
+    else :class:`TorchComm` over ``group``, paced on the ring link when a software throttle is set
+    (:mod:`ds_twocircuit.pacing`)."""
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    return LocalComm() if world_size == 1 else TorchComm(group, world_size)
+    if world_size == 1:
+        return LocalComm()
+    comm = TorchComm(group, world_size)
+    pacer = pacing.current()
+    return pacing.PacedComm(comm, pacer.link("dp")) if pacer is not None else comm

@@ -19,7 +19,7 @@ import torch
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .. import masks, wire
+from .. import masks, pacing, wire
 from ..codec import DenseCodec, Message, make_codec
 
 EVAL_STEP_OFFSET = masks.EVAL_STEP_OFFSET  # eval_batch keys live apart from training keys
@@ -78,6 +78,7 @@ class MaskedPipelineEngine(PipelineEngine):
         self._begin(self.global_steps)
         step = self.global_steps
         out = super().train_batch(data_iter)
+        self._flush_sends()
         if self.dp_backend is not None:
             self.step_stats = self.dp_backend.pop_step_stats()
         self.step_stats["step"] = step
@@ -92,7 +93,9 @@ class MaskedPipelineEngine(PipelineEngine):
         self._begin(EVAL_STEP_OFFSET + self.global_steps)
         self._evaluating = True
         try:
-            return super().eval_batch(data_iter, **kw)
+            out = super().eval_batch(data_iter, **kw)
+            self._flush_sends()
+            return out
         finally:
             self._evaluating = False
             self.codec_out, self.codec_in = coded
@@ -101,9 +104,25 @@ class MaskedPipelineEngine(PipelineEngine):
     def _send(self, tensors, stage, kind):
         if self._evaluating:
             kind = "pp_eval"
+        pacer = pacing.current()
         for t in tensors:
-            p2p.send(t, stage)
+            if pacer is None:
+                p2p.send(t, stage)
+            else:  # software throttle: sent from a thread when the capped link would deliver it
+                self._paced_sender(stage, pacer).put(t.detach().clone(), wire.tensor_bytes(t))
             wire.count(kind, wire.tensor_bytes(t))
+
+    def _paced_sender(self, stage, pacer) -> pacing.DeferredSender:
+        senders = self.__dict__.setdefault("_paced_senders", {})
+        if stage not in senders:
+            senders[stage] = pacing.DeferredSender(pacer.link(f"pp->{stage}"),
+                                                   lambda t, s=stage: p2p.send(t, s), f"paced-send-to-stage{stage}")
+        return senders[stage]
+
+    def _flush_sends(self):
+        """The software throttle's queued sends are out (the batch's last one included)."""
+        for sender in self.__dict__.get("_paced_senders", {}).values():
+            sender.flush()
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
@@ -172,12 +191,16 @@ class MaskedPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ data parallel
     def _exec_reduce_tied_grads(self):
+        tied = 0
         for weight, group in self.module.get_tied_weights_and_groups():
             grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad
             if grad is not None:
                 n = torch.distributed.get_world_size(group=group)
-                wire.count("pp_tied", wire.ring_allreduce_bytes(wire.tensor_bytes(grad), n))
+                nbytes = wire.ring_allreduce_bytes(wire.tensor_bytes(grad), n)
+                wire.count("pp_tied", nbytes)
+                tied += nbytes
         super()._exec_reduce_tied_grads()
+        pacing.send("pp_tied", tied)          # software throttle: after the collective, as PacedComm
 
     def _exec_reduce_grads(self):
         t0 = time.perf_counter()
