@@ -1,26 +1,37 @@
 #!/usr/bin/env python
 """The paper's Table 1, side by side, on an emulated slow mesh: every number from a command.
 
-Rows (the paper's): Baseline (dense PP, dense DP), Baseline + DP compression, M90, M90 + AP,
-M95, M95 + AP; the masked rows use DP compression too, as in the paper (their bytes/token are
-below the compressed baseline's). Each row is the real launcher (`launch/train.py`, PP=2 x DP=2,
-plus a Z=1 anchor replica for the AP rows) run through `launch/mesh.py`: one network namespace
-per rank, every directed link capped at --mbit. Columns:
+Each row is the real launcher (`launch/train.py`, PP = 2 x DP = 2, plus a Z = 1 anchor replica of
+2 ranks for the AP rows) run through `launch/mesh.py`: one network namespace per rank, every
+directed link capped by the kernel (HTB). Every row trains the same tokens per step; a row is run
+twice, on capped links and uncapped (its compute-only rate on this machine).
 
-* ``bytes_per_token``: everything the project sends per trained token (summary.json), with the
-  periodic traffic in steady state: DiLoCo fragment syncs (measured bytes per sync x F / H) and
-  anchor traffic (measured snapshot + gradient bytes per anchor update / K);
-* ``link_bytes_per_step``: the busiest directed link's bytes per step in steady state (the kernel's
-  counters for PP/DP traffic, plus the anchor traffic of one stage for AP rows);
-* ``link_bound_tokens_per_s``: tokens per step / (busiest link's bytes per step / bandwidth): the
-  throughput the links allow when compute is free, the regime the paper's speed-ups are about;
-  ``speedup`` is its ratio to the baseline's;
-* ``tokens_per_s_measured``: what this CPU machine achieved on the emulated mesh (compute-bound
-  here: 2 cores run 4-6 ranks of SmolLM2);
-* quality columns come from the anchor-quality benchmark (single-process equivalent runs of the
-  same variants, same data and steps): held-out loss with dense and with masked inference.
+Rows: Baseline (dense PP, dense DP), Baseline + DP compression, Top-K 90 (dense DP), M90, M90 + AP, M95 (dense
+DP), M95, M95 + AP, and the recommended low-rank codec; "+ DP" rows use PowerSGD + Streaming DiLoCo
+(`dense_dp.json`). Columns:
 
-    sudo python launch/bench_table1.py --mbit 200 --steps 20      # docs/benchmarks/table1.{json,md}
+* ``tokens_per_s``: measured on the capped links, steady state (mean step time over the steps after
+  the first; DiLoCo rows run 2H + 2 steps and are timed over steps H+1 .. 2H, a full cycle in
+  which every fragment's sync is launched and waited for once);
+* ``tokens_per_s_compute_only``: the same row on uncapped links; ``share_of_compute_only`` their ratio;
+* ``bytes_per_token`` and ``bytes_by_kind`` (PP activations, PP gradients, codec state, DP, anchor,
+  other = handshakes and tied embeddings), periodic traffic at its steady rate (DiLoCo syncs,
+  anchor updates);
+* ``link_bytes_per_step``: the busiest directed link's bytes per step (the kernel's counters);
+* ``speedup``: measured tokens/s over the Baseline's, at the same link rate;
+* quality columns (held-out loss, dense inference): from the quality benchmarks, named per row
+  (SmolLM2-135M only: they were measured on it).
+
+The regime. This machine computes ~100x slower than the paper's A100s, so at 200 Mbit/s its links
+are not the bottleneck. ``--paper-equivalent`` first runs the Baseline uncapped, then sets the link
+rate so that the Baseline's communication / computation ratio equals the paper's: in Table 1 the
+best row (46.5k tokens/s) is taken as compute-bound and the Baseline makes 1.1k, so a Baseline step
+is 42.3 compute steps, 41.3 of them communication. Rate = busiest link's bytes per step x 8 /
+(41.3 x compute-only step time). Both the paper's rate and the equivalent rate are reported.
+
+    python launch/bench_table1.py --paper-equivalent             # the table (root: network namespaces)
+    python launch/bench_table1.py --mbit 200                      # at a given rate
+    python launch/bench_table1.py --sweep 25,50,100,200,500,1000  # tokens/s vs link rate (PNG)
 """
 from __future__ import annotations
 
@@ -28,32 +39,79 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "benchmarks")
-ROWS = [  # name, config, anchor replicas, quality variant in anchor_quality.json
-    ("Baseline (dense PP, dense DP)", "dense.json", 0, "dense"),
-    ("Baseline + DP compression", "dense_dp.json", 0, "dense"),
-    ("M90", "m90_dp.json", 0, "m90"),
-    ("M90 + AP", "m90_ap_dp.json", 1, "m90_ap"),
-    ("M95", "m95_dp.json", 0, "m95"),
-    ("M95 + AP", "m95_ap_dp.json", 1, "m95_ap"),
+# name, config, anchor replicas, quality source (benchmark file, variant)
+ROWS = [
+    ("Baseline (dense PP, dense DP)", "dense.json", 0, ("quality_120.json", "dense")),
+    ("Baseline + DP compression", "dense_dp.json", 0, ("quality_120.json", "dense")),
+    ("Top-K 90 (dense DP)", "topk90.json", 0, None),
+    ("M90", "m90_dp.json", 0, ("anchor_quality.json", "m90")),
+    ("M90 + AP", "m90_ap_dp.json", 1, ("anchor_quality.json", "m90_ap")),
+    ("M95 (dense DP)", "m95.json", 0, ("quality_120.json", "m95")),
+    ("M95", "m95_dp.json", 0, ("quality_120.json", "m95")),
+    ("M95 + AP", "m95_ap_dp.json", 1, ("anchor_quality.json", "m95_ap")),
+    ("Low-rank 224x4b (recommended)", "lowrank_dp.json", 0, ("quality_120.json", "lowrank_n224_g")),
 ]
+SWEEP_ROWS = (0, 1, 6, 7, 8)
+# The paper's Table 1 (64 x A100, 200 Mbit/s): Baseline 1.1k tokens/s, M95 + AP + DP compression
+# 46.5k (42.3x); the latter taken as compute-bound.
+PAPER = {"link_mbit": 200.0, "baseline_tokens_per_s": 1100.0, "best_tokens_per_s": 46500.0,
+         "baseline_bytes_per_token": 22900.0, "best_bytes_per_token": 446.0}
 
 
-def run_row(name, config, z, args, work):
-    out = os.path.join(work, config.replace(".json", ""))
+def paper_comm_ratio(paper: dict = PAPER) -> float:
+    """Communication / computation time of the paper's Baseline step (Table 1, best row compute-bound)."""
+    return paper["best_tokens_per_s"] / paper["baseline_tokens_per_s"] - 1.0
+
+
+def paper_equivalent_mbit(link_bytes_per_step: float, compute_step_s: float, ratio: float) -> float:
+    """The link rate (Mbit/s) at which sending ``link_bytes_per_step`` over the busiest link takes
+    ``ratio`` times the compute-only step."""
+    if link_bytes_per_step <= 0 or compute_step_s <= 0 or ratio <= 0:
+        raise ValueError("need positive bytes per step, compute step time and ratio")
+    return link_bytes_per_step * 8.0 / (ratio * compute_step_s) / 1e6
+
+
+def cycle_steps(config: str) -> int:
+    """Steps in one period of the row's traffic (DiLoCo: H, every fragment syncs once; else 1)."""
+    dp = json.load(open(os.path.join(ROOT, "ds_configs", config)))["twocircuit"].get("dp", {})
+    return int(dp.get("inner_steps", 10)) if dp.get("backend") in ("diloco", "streaming_diloco") else 1
+
+
+def steady_step_s(metrics: list[dict], period: int) -> float:
+    """Mean step time in steady state: the steps after the first; with periodic traffic (DiLoCo,
+    period H), the H steps after the first full cycle (steps H+1 .. 2H: every fragment's sync is
+    launched and waited for in them exactly once, also with overlap, and no start-up is in them)."""
+    if period > 1:
+        if len(metrics) < 2 * period + 1:
+            raise ValueError(f"a row with a period of {period} steps needs at least {2 * period + 1} steps")
+        return statistics.fmean(m["step_s"] for m in metrics[period + 1:2 * period + 1])
+    times = [m["step_s"] for m in metrics[1:]] or [m["step_s"] for m in metrics]
+    return statistics.fmean(times)
+
+
+def run_row(config, z, args, work, mbit, tag, steps):
+    out = os.path.join(work, f"{config.replace('.json', '')}_{tag}")
     ranks = 4 + 2 * z
     train = ["launch/train.py", "--deepspeed", f"ds_configs/{config}", "--model", args.model, "--pp", "2",
-             "--dp", "2", "--steps", str(args.steps), "--eval-sequences", "0", "--no-save-model",
-             "--output-dir", out]
+             "--dp", "2", "--steps", str(steps), "--seq-len", str(args.seq_len), "--eval-sequences", "0",
+             "--no-save-model", "--output-dir", out]
+    if args.micro_batches:
+        train += ["--grad-accum", str(args.micro_batches)]
     if z:
         train += ["--anchor-replicas", str(z)]
-    cmd = [sys.executable, "launch/mesh.py", "--ranks", str(ranks), "--mbit", str(args.mbit), "--", *train]
-    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "launch/mesh.py", "--ranks", str(ranks), "--mbit", f"{mbit:g}", "--", *train]
+    print(f"== {config} at {'uncapped' if not mbit else f'{mbit:g} Mbit/s'}: {' '.join(cmd[1:])}", flush=True)
+    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode:
+        sys.stderr.write(p.stderr[-6000:])
+        raise SystemExit(f"error: the row {config} at {mbit:g} Mbit/s failed (exit {p.returncode}); its command: "
+                         + " ".join(cmd[1:]))
     summary = json.load(open(os.path.join(out, "summary.json")))
     mesh = json.load(open(os.path.join(out, "mesh.json")))
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -61,13 +119,15 @@ def run_row(name, config, z, args, work):
 
 
 def steady_state(summary, mesh, metrics, steps, config):
-    """Bytes per token and the busiest link's bytes per step, periodic traffic at its steady rate.
+    """Bytes per token by kind and the busiest link's bytes per step, periodic traffic at its
+    steady rate.
 
     Ranks are DeepSpeed's PipeDataParallelTopology (rank = stage x dp + replica): with pp = dp = 2,
     the PP links are 0<->2 and 1<->3 and the DP links 0<->1 and 2<->3, so the kernel's per-link
     counters separate the two kinds. DiLoCo syncs only every H steps and the anchor every K steps,
     which a short run catches a few times: their measured bytes per event are scaled to the rate
-    of a long run (DP: per fragment sync x F / H; anchor: per update / K)."""
+    of a long run (DP: per fragment sync x F / H, the end-of-run average left out; anchor: per
+    update / K)."""
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", config)))["twocircuit"]
     dp = cfg.get("dp", {})
     tokens_per_step = summary["tokens"] / summary["steps"]
@@ -76,7 +136,9 @@ def steady_state(summary, mesh, metrics, steps, config):
     syncs = sum(len(m.get("dp.synced_fragments") or []) for m in metrics)
     if dp.get("backend") in ("diloco", "streaming_diloco") and syncs:
         frags = dp.get("num_fragments", 1) if dp["backend"] == "streaming_diloco" else 1
-        steady = wb["dp"] / syncs * frags / dp.get("inner_steps", 10) * steps
+        # the end-of-run exact average (in wire_bytes.dp) is not a periodic sync
+        periodic = wb["dp"] - summary.get("dp_final_sync_bytes", 0)
+        steady = periodic / syncs * frags / dp.get("inner_steps", 10) * steps
         dp_scale, wb["dp"] = steady / wb["dp"], steady
     anchor_per_step = 0.0
     an = summary.get("anchor")
@@ -84,7 +146,10 @@ def steady_state(summary, mesh, metrics, steps, config):
         updates = len(range(0, steps, an["every"]))           # snapshots published in the run
         anchor_per_step = wb["anchor"] / updates / an["every"]
         wb["anchor"] = anchor_per_step * steps
-    per_token = sum(wb.values()) / (tokens_per_step * steps)
+    tokens = tokens_per_step * steps
+    by_kind = {"pp_activations": wb["pp_activations"] / tokens, "pp_gradients": wb["pp_gradients"] / tokens,
+               "codec_state": wb["pp_codec_state"] / tokens, "dp": wb["dp"] / tokens,
+               "anchor": wb["anchor"] / tokens, "other": (wb["pp_handshake"] + wb["pp_tied"]) / tokens}
     links = {}
     for link, nbytes in mesh["kernel_bytes"].items():
         i, j = (int(x) for x in link.split("->"))
@@ -95,49 +160,176 @@ def steady_state(summary, mesh, metrics, steps, config):
     if anchor_per_step:
         for stage in range(2):  # each fast stage sends its snapshot share and gets its gradients
             links[f"stage{stage}<->anchor"] = anchor_per_step / 2
-    return per_token, max(links.values()), tokens_per_step, links
+    return sum(by_kind.values()), by_kind, max(links.values()), tokens_per_step, links
+
+
+def measure(row, args, work, mbit, tag):
+    name, config, z, _ = row
+    period = cycle_steps(config)
+    steps = max(args.steps, 2 * period + 2) if period > 1 else args.steps
+    s, mesh, metrics, cmd = run_row(config, z, args, work, mbit, tag, steps)
+    per_token, by_kind, busiest, tps, links = steady_state(s, mesh, metrics, s["steps"], config)
+    step_s = steady_step_s(metrics, period)
+    c, dpt = s["config"], s["dp_comm_s_all_ranks"]
+    return {"tokens_per_s": round(tps / step_s, 2), "step_s": round(step_s, 4), "steps": s["steps"],
+            "micro_batches": c["gradient_accumulation_steps"], "tokens_per_micro": c["micro_batch_size"] * c["seq_len"],
+            "dp_hidden_share": round(dpt["hidden"] / dpt["total"], 3) if dpt["total"] else 0.0,
+            "timed_steps": period if period > 1 else s["steps"] - 1,
+            "tokens_per_step": tps, "bytes_per_token": round(per_token, 1),
+            "bytes_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "link_bytes_per_step": int(busiest),
+            "link_bytes_per_step_by_link": {k: int(v) for k, v in links.items()},
+            "wire_bytes_measured": s["wire_bytes"], "kernel_bytes": mesh["kernel_bytes"], "command": cmd}
+
+
+def count_params(model: str) -> int:
+    """Parameters of the model preset (built on the meta device: no weights loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    sys.path.insert(0, ROOT)
+    from ds_twocircuit.models.presets import resolve_model
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(model)))
+    return sum(p.numel() for p in m.parameters())
+
+
+def quality_of(source):
+    if source is None:
+        return {}
+    fname, variant = source
+    path = os.path.join(OUT, fname)
+    if not os.path.exists(path):
+        return {}
+    d = json.load(open(path))
+    recs = [r for r in d.get("rows", d.get("variants", [])) if r["variant"] == variant]
+    if not recs:
+        return {}
+    loss = statistics.fmean(r["heldout_loss"] for r in recs)
+    return {"heldout_loss": round(loss, 4), "quality_from": f"docs/benchmarks/{fname} ({variant}, "
+            f"{len(recs)} seed{'s' if len(recs) > 1 else ''})"}
+
+
+def plot_sweep(sweep: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for k, (name, series) in enumerate(sweep["series"].items()):
+        color = f"C{k}"
+        pts = sorted((float(r), v["tokens_per_s"]) for r, v in series["capped"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
+        if series.get("compute_only"):
+            ax.axhline(series["compute_only"]["tokens_per_s"], color=color, ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate, Mbit/s (each direction, every link)")
+    ax.set_ylabel("tokens/s (measured, all replicas)")
+    ax.set_title(f"Throughput vs link rate, {sweep['model']}, PP=2 x DP=2 (dotted: compute-only)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_markdown(res: dict, path: str) -> None:
+    from benchnotes import write_section  # launch/, next to this script
+    lines = [f"Link rate {res['link_mbit']:g} Mbit/s"
+             + (f" (paper-equivalent: the Baseline's communication / computation ratio equals the paper's "
+                f"{res['paper_comm_ratio']:.1f} at 200 Mbit/s)" if res.get("paper_equivalent_mbit") else "")
+             + f"; mesh {res['mesh']}; model {res['model']}. Command: `{res['command']}`", "",
+             "| variant | tokens/s | compute-only | share | speed-up | bytes/token | PP act / grad / state | DP | anchor "
+             "| busiest link B/step | held-out loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        k = r["bytes_by_kind"]
+        loss = f"{r['heldout_loss']:.3f}" if r.get("heldout_loss") is not None else "-"
+        share = f"{r['share_of_compute_only']:.0%}" if r.get("share_of_compute_only") is not None else "-"
+        co = f"{r['tokens_per_s_compute_only']:,.1f}" if r.get("tokens_per_s_compute_only") else "-"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:,.1f} | {co} | {share} | {r['speedup']}x | "
+                     f"{r['bytes_per_token']:,.0f} | {k['pp_activations']:,.0f} / {k['pp_gradients']:,.0f} / "
+                     f"{k['codec_state']:,.1f} | {k['dp']:,.0f} | {k['anchor']:,.0f} | {r['link_bytes_per_step']:,} "
+                     f"| {loss} |")
+    lines += ["", "Held-out losses: " + "; ".join(sorted({r["quality_from"] for r in res["rows"] if r.get("quality_from")}))]
+    write_section(path, "<!-- table: written by launch/bench_table1.py -->", "<!-- end of table -->", lines,
+                  "Table 1 on an emulated slow mesh")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mbit", type=float, default=200.0)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--mbit", type=float, default=200.0, help="link rate of the table (default 200)")
+    p.add_argument("--paper-equivalent", action="store_true",
+                   help="derive the link rate from an uncapped Baseline run (see above) instead of --mbit")
+    p.add_argument("--sweep", default=None, help="comma-separated link rates: tokens/s of the sweep rows at each")
+    p.add_argument("--steps", type=int, default=4, help="steps per run (DiLoCo rows: at least 2H + 2)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: the config's)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--rows", default=None, help="comma-separated row indices (default: all)")
+    p.add_argument("--rows", default=None, help="comma-separated row indices (default: all; sweep: "
+                   f"{','.join(map(str, SWEEP_ROWS))})")
+    p.add_argument("--no-compute-only", action="store_true", help="skip the uncapped runs")
+    p.add_argument("--out", default=OUT, help="folder for table1.json / .md (sweep: table1_sweep.json / .png)")
     args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("error: the emulated mesh needs root (network namespaces); see launch/mesh.py")
     command = "python launch/bench_table1.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     work = os.path.join(ROOT, "runs", "table1")
     os.makedirs(work, exist_ok=True)
-    quality = {}
-    qpath = os.path.join(OUT, "anchor_quality.json")
-    if os.path.exists(qpath):
-        quality = {v["variant"]: v for v in json.load(open(qpath))["variants"]}
+    os.makedirs(args.out, exist_ok=True)
+    if args.sweep:
+        rates = [float(x) for x in args.sweep.split(",")]
+        idx = [int(i) for i in args.rows.split(",")] if args.rows else list(SWEEP_ROWS)
+        sweep = {"benchmark": "table1_sweep", "model": args.model, "mesh": "pp=2 x dp=2", "rates_mbit": rates,
+                 "series": {}, "command": command}
+        for i in idx:
+            row = ROWS[i]
+            series = {"config": f"ds_configs/{row[1]}", "capped": {}}
+            if not args.no_compute_only:
+                series["compute_only"] = measure(row, args, work, 0, "uncapped")
+            for r in rates:
+                series["capped"][f"{r:g}"] = measure(row, args, work, r, f"{r:g}mbit")
+            sweep["series"][row[0]] = series
+            json.dump(sweep, open(os.path.join(args.out, "table1_sweep.json"), "w"), indent=2)
+        plot_sweep(sweep, os.path.join(args.out, "table1_sweep.png"))
+        print(f"wrote {args.out}/table1_sweep.json and table1_sweep.png")
+        return
+    wanted = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    ratio, equivalent, uncapped = paper_comm_ratio(), None, {}
+    if args.paper_equivalent:
+        base = ROWS[0]
+        uncapped[base[0]] = measure(base, args, work, 0, "uncapped")
+        b = uncapped[base[0]]
+        equivalent = paper_equivalent_mbit(b["link_bytes_per_step"], b["step_s"], ratio)
+        print(f"paper-equivalent link rate: {equivalent:.2f} Mbit/s (Baseline: {b['link_bytes_per_step']:,} B per "
+              f"step on its busiest link, {b['step_s']:.2f} s per step uncapped, ratio {ratio:.1f})", flush=True)
+    mbit = round(equivalent, 3) if equivalent else args.mbit
+    params = count_params(args.model)
     rows = []
-    wanted = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
-    for name, config, z, qvar in wanted:
-        s, mesh, metrics, cmd = run_row(name, config, z, args, work)
-        per_token, busiest, tps, links = steady_state(s, mesh, metrics, s["steps"], config)
-        q = quality.get(qvar, {})
-        rows.append({"variant": name, "config": f"ds_configs/{config}", "anchor_replicas": z,
-                     "bytes_per_token": round(per_token, 1), "link_bytes_per_step": int(busiest),
-                     "link_bound_tokens_per_s": round(tps / (busiest * 8 / (args.mbit * 1e6)), 1),
-                     "tokens_per_s_measured": s["tokens_per_s"],
-                     "heldout_loss": q.get("heldout_loss"), "heldout_loss_masked": q.get("heldout_loss_masked"),
-                     "quality_variant": qvar if q else None, "quality_command": q.get("command"),
-                     "wire_bytes_measured": s["wire_bytes"], "kernel_bytes": mesh["kernel_bytes"],
-                     "link_bytes_per_step_by_link": {k: int(v) for k, v in links.items()},
-                     "steps": s["steps"], "tokens": s["tokens"], "command": cmd})
-    base = rows[0]["link_bound_tokens_per_s"] if rows and rows[0]["variant"].startswith("Baseline (") else None
+    for row in wanted:
+        name = row[0]
+        if not args.no_compute_only and name not in uncapped:
+            uncapped[name] = measure(row, args, work, 0, "uncapped")
+        m = measure(row, args, work, mbit, f"{mbit:g}mbit")
+        co = uncapped.get(name)
+        rows.append({"variant": name, "config": f"ds_configs/{row[1]}", "anchor_replicas": row[2], **m,
+                     "tokens_per_s_compute_only": co["tokens_per_s"] if co else None,
+                     "share_of_compute_only": round(m["tokens_per_s"] / co["tokens_per_s"], 3) if co else None,
+                     "command_compute_only": co["command"] if co else None,
+                     **(quality_of(row[3]) if args.model == "smollm2-135m" else {})})
+        base = rows[0]["tokens_per_s"] if rows[0]["variant"].startswith("Baseline (") else None
+        for r in rows:
+            r["speedup"] = round(r["tokens_per_s"] / base, 2) if base else None
+            r["bytes_reduction"] = round(rows[0]["bytes_per_token"] / r["bytes_per_token"], 1) if base else None
+        res = {"benchmark": "table1", "model": args.model, "link_mbit": mbit, "paper_link_mbit": PAPER["link_mbit"],
+               "paper_equivalent_mbit": round(equivalent, 3) if equivalent else None,
+               "paper_comm_ratio": round(ratio, 2), "paper": PAPER,
+               "mesh": "pp=2 x dp=2 (+ Z=1 x pp=2 anchor for AP rows)", "seq_len": args.seq_len, "params": params,
+               "rows": rows, "command": command}
+        json.dump(res, open(os.path.join(args.out, "table1.json"), "w"), indent=2)   # after every row
+    write_markdown(res, os.path.join(args.out, "table1.md"))
+    print(f"{'variant':32} {'tok/s':>9} {'compute-only':>13} {'speed-up':>9} {'bytes/token':>12}")
     for r in rows:
-        r["speedup"] = round(r["link_bound_tokens_per_s"] / base, 2) if base else None
-    res = {"benchmark": "table1", "model": args.model, "mbit": args.mbit, "mesh": "pp=2 x dp=2 (+ Z=1 x pp=2 anchor)",
-           "rows": rows, "command": command}
-    os.makedirs(OUT, exist_ok=True)
-    json.dump(res, open(os.path.join(OUT, "table1.json"), "w"), indent=2)
-    print(f"{'variant':32} {'bytes/token':>12} {'link-bound tok/s':>17} {'speed-up':>9} {'measured tok/s':>15}")
-    for r in rows:
-        print(f"{r['variant']:32} {r['bytes_per_token']:>12,.0f} {r['link_bound_tokens_per_s']:>17,.0f} "
-              f"{str(r['speedup']):>9} {r['tokens_per_s_measured']:>15,.1f}")
+        print(f"{r['variant']:32} {r['tokens_per_s']:>9,.1f} {str(r['tokens_per_s_compute_only']):>13} "
+              f"{str(r['speedup']):>9} {r['bytes_per_token']:>12,.0f}")
 
 
 if __name__ == "__main__":

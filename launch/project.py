@@ -50,6 +50,76 @@ def methods(hidden: int, wire_bytes: int, lowrank_rank: int, lowrank_bits: int, 
     }
 
 
+def validation_setting(row: dict, params: float, framing: float) -> Setting:
+    """The cost model's setting of one emulated Table-1 row (``launch/bench_table1.py``): PP = 2 x
+    DP = 2, the row's measured bytes per token by kind (payload x ``framing``: the kernel cap
+    charges TCP/IP headers), its DP backend's sync schedule (:func:`dp_schedule`), and a per-stage
+    compute rate calibrated on the row's own uncapped run (so the model's compute-only step equals
+    the measured one and what is validated is the communication). The anchor's snapshots and gradients travel as files in the emulation, not
+    over the capped links, so they cost no link time here."""
+    pp = dp = 2
+    m, tokens_per_micro = row["micro_batches"], row["tokens_per_micro"]
+    tokens_per_step = row["tokens_per_step"]
+    co = row["tokens_per_s_compute_only"]
+    t_compute = tokens_per_step / co
+    flops = (m + pp - 1) * 6.0 * (params / pp) * tokens_per_micro / t_compute
+    k = row["bytes_by_kind"]
+    return Setting(params=params, pp=pp, dp=dp, micro_batches=m, tokens_per_micro=tokens_per_micro, flops=flops,
+                   link_mbit=row["link_mbit"],
+                   bytes_per_token=max(k["pp_activations"], k["pp_gradients"]) * framing,
+                   state_bytes_per_step=k["codec_state"] * tokens_per_step / dp * framing,
+                   dp_bytes_per_rank=k["dp"] * tokens_per_step / (pp * dp) * framing,
+                   **dp_schedule(row.get("config")))
+
+
+def dp_schedule(config: str | None) -> dict:
+    """``dp_sync_every`` / ``dp_overlap_steps`` of a config's DP backend: DiLoCo syncs every H steps,
+    Streaming DiLoCo one of F fragments every H / F steps; overlapped syncs run behind
+    ``overlap_steps`` steps; all-reduce and PowerSGD sync every step, blocking."""
+    if not config:
+        return {}
+    dp = json.load(open(os.path.join(ROOT, config)))["twocircuit"].get("dp", {})
+    backend = dp.get("backend", "allreduce")
+    if backend not in ("diloco", "streaming_diloco"):
+        return {}
+    h = int(dp.get("inner_steps", 10))
+    every = max(1, h // int(dp.get("num_fragments", 1))) if backend == "streaming_diloco" else h
+    return {"dp_sync_every": every, "dp_overlap_steps": int(dp.get("overlap_steps", 1)) if dp.get("overlap") else 0}
+
+
+def validate(table1: dict, framing: float) -> list[dict]:
+    """Predicted vs measured tokens/s for every emulated row with a compute-only run."""
+    out = []
+    for r in table1["rows"]:
+        if not r.get("tokens_per_s_compute_only"):
+            continue
+        s = validation_setting({**r, "link_mbit": table1["link_mbit"]}, table1["params"], framing)
+        pred = step_breakdown(s)["tokens_per_s"]
+        out.append({"variant": r["variant"], "link_mbit": table1["link_mbit"], "measured_tokens_per_s": r["tokens_per_s"],
+                    "predicted_tokens_per_s": round(pred, 2), "error": round(pred / r["tokens_per_s"] - 1, 4)})
+    return out
+
+
+def write_validation(rows: list[dict], table1_path: str, out_dir: str, target: float = 0.15) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchnotes import write_section
+    path = os.path.join(out_dir, "projection.json")
+    d = json.load(open(path)) if os.path.exists(path) else {}
+    d["validation"] = {"against": os.path.relpath(table1_path, ROOT), "target_abs_error": target, "rows": rows,
+                       "within_target": all(abs(r["error"]) <= target for r in rows)}
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+    lines = [f"Checked against the emulated runs of `{os.path.relpath(table1_path, ROOT)}` (each row's compute "
+             f"rate calibrated on its own uncapped run; target: within {target:.0%}):", "",
+             "| row | link Mbit/s | measured tokens/s | predicted | error |", "|---|---|---|---|---|"]
+    for r in rows:
+        flag = "" if abs(r["error"]) <= target else " (outside the target)"
+        lines.append(f"| {r['variant']} | {r['link_mbit']:g} | {r['measured_tokens_per_s']:,.1f} | "
+                     f"{r['predicted_tokens_per_s']:,.1f} | {r['error']:+.1%}{flag} |")
+    write_section(os.path.join(out_dir, "projection.md"), "<!-- validation: written by launch/project.py --validate -->",
+                  "<!-- end of validation -->", lines, "Throughput projection")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-size", type=float, required=True, help="parameters, e.g. 1.24e9")
@@ -68,6 +138,9 @@ def main(argv=None):
     p.add_argument("--refreshes", type=int, default=4, help="low-rank state refreshes over --steps")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default=None, help="write projection.json / projection.md here")
+    p.add_argument("--validate", default=None, metavar="TABLE1_JSON",
+                   help="also check the model against emulated runs (docs/benchmarks/table1.json from "
+                        "launch/bench_table1.py): predicted vs measured tokens/s per row")
     args = p.parse_args(argv)
     try:
         pp, dp = (int(x) for x in args.mesh.lower().split("x"))
@@ -84,7 +157,10 @@ def main(argv=None):
         state = 0.0
         if rank is not None:  # mean + basis + per-direction scales, bf16, each refresh, amortised
             state = args.refreshes * (args.hidden + rank * args.hidden + rank) * 2 / args.steps
-        s = base.replace(bytes_per_token=bpt, state_bytes_per_step=state, dp_bytes_per_rank=dense_dp / dp_div)
+        # DP compression is PowerSGD + Streaming DiLoCo as in dense_dp.json: syncs every H / F steps,
+        # overlapped with the next step's pipeline work
+        sched = dp_schedule("ds_configs/dense_dp.json") if dp_div != 1.0 else {}
+        s = base.replace(bytes_per_token=bpt, state_bytes_per_step=state, dp_bytes_per_rank=dense_dp / dp_div, **sched)
         b = step_breakdown(s)
         wire_per_token = (2 * (pp - 1) * (bpt * s.tokens_per_micro * s.micro_batches + state) * dp
                           + dp * pp * s.dp_bytes_per_rank) / b["tokens_per_step"]
@@ -114,8 +190,19 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "projection.json"), "w") as f:
             json.dump(out, f, indent=2)
-        with open(os.path.join(args.out, "projection.md"), "w") as f:
-            f.write("# Throughput projection\n\n" + "\n".join(lines) + "\n")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from benchnotes import write_section   # keeps the hand-written prose around the table
+        write_section(os.path.join(args.out, "projection.md"), "<!-- projection: written by launch/project.py -->",
+                      "<!-- end of projection -->", lines, "Throughput projection")
+    if args.validate:
+        from ds_twocircuit.pacing import FRAMING
+        rows_v = validate(json.load(open(args.validate)), FRAMING)
+        out["validation"] = rows_v
+        for r in rows_v:
+            print(f"validation: {r['variant']}: measured {r['measured_tokens_per_s']:,.1f} tokens/s, predicted "
+                  f"{r['predicted_tokens_per_s']:,.1f} ({r['error']:+.1%})")
+        if args.out:
+            write_validation(rows_v, os.path.abspath(args.validate), args.out)
     return out
 
 

@@ -23,17 +23,21 @@ def test_compute_only_single_stage():
     assert b["tokens_per_s"] == pytest.approx(4000 / 24)
 
 
-def test_pipeline_bubbles_and_blocking_boundaries():
-    # 2 stages: 3 s of compute per micro-batch and stage; a hop carries 1000 B/token x 1000 tokens
-    # = 1e6 B = 8e6 bit at 1e8 bit/s = 0.08 s + 10 ms latency; a slot sends activations and
-    # gradients: 3 + 2 x 0.09 = 3.18 s; (4 + 2 - 1) slots
+def test_pipeline_bubbles_and_boundary_round_trips():
+    # 2 stages: 3 s of compute per micro-batch and stage, (4 + 2 - 1) compute slots = 15 s; a hop
+    # carries 1000 B/token x 1000 tokens = 1e6 B = 8e6 bit at 1e8 bit/s = 0.08 s + 10 ms latency;
+    # the critical path holds 2 (m + pp - 2) = 8 hops: the first micro-batch's round trip, then one
+    # round trip per further micro-batch of stage 0
     s = _s(pp=2, bytes_per_token=1000.0, latency_s=0.01)
     b = step_breakdown(s)
-    assert b["step_s"] == pytest.approx(5 * 3.18)
-    assert b["bubble_s"] == pytest.approx(3.0) and b["boundary_s"] == pytest.approx(5 * 0.18)
-    assert b["tokens_per_s"] == pytest.approx(4000 / 15.9)
+    assert b["step_s"] == pytest.approx(15 + 8 * 0.09)
+    assert b["bubble_s"] == pytest.approx(3.0) and b["boundary_s"] == pytest.approx(8 * 0.09)
+    assert b["tokens_per_s"] == pytest.approx(4000 / 15.72)
     # codec state per step spreads over the micro-batches: 4e6 B more per step = 1e6 B per hop
-    assert step_breakdown(s.replace(state_bytes_per_step=4e6))["step_s"] == pytest.approx(5 * (3 + 2 * 0.17))
+    assert step_breakdown(s.replace(state_bytes_per_step=4e6))["step_s"] == pytest.approx(15 + 8 * 0.17)
+    # 4 stages: 2 (4 + 4 - 2) = 12 hops; a stage holds a quarter of the model
+    b4 = step_breakdown(s.replace(pp=4))
+    assert b4["compute_s"] == pytest.approx(7 * 1.5) and b4["boundary_s"] == pytest.approx(12 * 0.09)
 
 
 def test_dp_time_exposed_and_hidden():
@@ -46,6 +50,22 @@ def test_dp_time_exposed_and_hidden():
     assert b["tokens_per_step"] == 8000                     # both replicas' tokens
     # anchor bytes share the DP link
     assert step_breakdown(s.replace(anchor_bytes_per_step=1e6))["dp_s"] == pytest.approx(0.16 + 0.02)
+
+
+def test_periodic_overlapped_dp_syncs():
+    # a sync every 10 steps carries 10 x 1e6 B = 0.8 s + 2 latencies of 10 ms; behind one step of
+    # pipeline work (24 s) it is hidden entirely
+    s = _s(dp=2, dp_bytes_per_rank=1e6, latency_s=0.01, dp_sync_every=10, dp_overlap_steps=1)
+    b = step_breakdown(s)
+    assert b["dp_s"] == pytest.approx(0.082) and b["dp_exposed_s"] == 0.0 and b["step_s"] == pytest.approx(24.0)
+    # at 1 Mbit/s the sync takes 80.02 s: 56.02 s of it are left after the step it overlaps,
+    # spread over the 10 steps
+    slow = step_breakdown(s.replace(link_mbit=1.0))
+    assert slow["dp_exposed_s"] == pytest.approx((80.02 - 24.0) / 10)
+    # not overlapped: all of it, spread over the 10 steps
+    assert step_breakdown(s.replace(link_mbit=1.0, dp_overlap_steps=0))["dp_exposed_s"] == pytest.approx(8.002)
+    with pytest.raises(ValueError, match="dp_overlap_steps"):
+        _s(dp_overlap_steps=-1)
 
 
 def test_helpers():
@@ -80,3 +100,63 @@ def test_project_cli_writes_the_projection(tmp_path):
     assert rows["M95 (paper codec)"]["boundary_bytes_per_token_each_way"] == 204
     assert all(r["tokens_per_s"] > 0 for r in out["rows"])
     assert "Projection" in (tmp_path / "projection.md").read_text()
+
+
+def test_table1_paper_equivalent_rate_and_steady_state():
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    # Table 1: 46.5k / 1.1k = 42.27 -> a Baseline step is 41.27 compute steps of communication
+    assert t1.paper_comm_ratio() == pytest.approx(46.5 / 1.1 - 1)
+    # 268 MB per step on the busiest link, 2.5 s compute: 268e6 x 8 bit / (41.27 x 2.5 s)
+    assert t1.paper_equivalent_mbit(268e6, 2.5, 41.27) == pytest.approx(268e6 * 8 / (41.27 * 2.5) / 1e6)
+    with pytest.raises(ValueError):
+        t1.paper_equivalent_mbit(0, 2.5, 41.27)
+    # steady step time: steps after the first; a DiLoCo row (H = 2) over steps H+1 .. 2H
+    metrics = [{"step_s": s} for s in (9.0, 1.0, 5.0, 3.0, 1.0, 1.0)]
+    assert t1.steady_step_s(metrics, 1) == pytest.approx(11 / 5)
+    assert t1.steady_step_s(metrics, 2) == pytest.approx((3.0 + 1.0) / 2)
+    with pytest.raises(ValueError, match="at least 7 steps"):
+        t1.steady_step_s(metrics, 3)
+    assert t1.cycle_steps("dense.json") == 1 and t1.cycle_steps("dense_dp.json") == 10
+    # bytes by kind per token and the busiest link: DiLoCo syncs scaled to their steady rate
+    summary = {"tokens": 4000, "steps": 4, "anchor": None, "dp_final_sync_bytes": 1000,
+               "wire_bytes": {"pp_activations": 8000, "pp_gradients": 4000, "pp_codec_state": 400, "pp_handshake": 200,
+                              "pp_tied": 0, "dp": 7000, "anchor": 0}}
+    mesh = {"kernel_bytes": {"0->2": 4400, "2->0": 2100, "0->1": 3100, "1->0": 3000}}
+    metrics = [{"dp.synced_fragments": [0]}, {}, {}, {}]  # one fragment sync in 4 steps, F = 2, H = 10
+    per_token, by_kind, busiest, tps, links = t1.steady_state(summary, mesh, metrics, 4, "dense_dp.json")
+    # steady DP: 6000 B per fragment sync (7000 less the end-of-run average) x 2 fragments / 10
+    # steps = 1200 B per step, 4800 B in 4
+    assert by_kind == pytest.approx({"pp_activations": 2.0, "pp_gradients": 1.0, "codec_state": 0.1,
+                                     "dp": 1.2, "anchor": 0.0, "other": 0.05})
+    assert per_token == pytest.approx(4.35) and tps == 1000
+    assert links["0->1"] == pytest.approx(3100 / 4 * 4800 / 7000) and busiest == pytest.approx(1100)
+
+
+def test_validation_predicts_an_emulated_row_by_hand(tmp_path):
+    """One row, worked by hand: 2 micro-batches of 100 tokens per replica, compute-only 100 tokens/s
+    (a 4 s step over both replicas' 400 tokens: 3 slots of 4/3 s); 50 B/token each way at 0.01
+    Mbit/s: a hop of 5000 B takes 4 s, 2 (2 + 2 - 2) = 4 hops on the critical path; DP (all-reduce
+    every step) 10 B/token x 400 / 4 ranks = 1000 B per rank = 0.8 s, blocking. The same row under
+    dense_dp.json (Streaming DiLoCo, H = 10, F = 2, one step of overlap): a sync every 5 steps of
+    5000 B = 4 s, behind a 20 s step: hidden."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import project
+    row = {"variant": "r", "tokens_per_s": 10.0, "tokens_per_s_compute_only": 100.0, "micro_batches": 2,
+           "tokens_per_micro": 100, "tokens_per_step": 400, "dp_hidden_share": 0.5,
+           "bytes_by_kind": {"pp_activations": 50.0, "pp_gradients": 40.0, "codec_state": 0.0, "dp": 10.0,
+                             "anchor": 5.0, "other": 0.0}}
+    table = {"link_mbit": 0.01, "params": 1e6, "rows": [row]}
+    s = project.validation_setting({**row, "link_mbit": 0.01}, 1e6, framing=1.0)
+    b = step_breakdown(s)
+    assert b["compute_s"] == pytest.approx(4.0) and b["boundary_s"] == pytest.approx(16.0)
+    assert b["dp_exposed_s"] == pytest.approx(0.8)
+    (v,) = project.validate(table, framing=1.0)
+    assert v["predicted_tokens_per_s"] == pytest.approx(400 / 20.8, abs=0.01)
+    assert v["error"] == pytest.approx(400 / 20.8 / 10.0 - 1, abs=1e-3)
+    sd = project.validation_setting({**row, "link_mbit": 0.01, "config": "ds_configs/dense_dp.json"}, 1e6, 1.0)
+    assert (sd.dp_sync_every, sd.dp_overlap_steps) == (5, 1)
+    assert step_breakdown(sd)["dp_exposed_s"] == 0.0 and step_breakdown(sd)["step_s"] == pytest.approx(20.0)
+    project.write_validation([v], str(tmp_path / "table1.json"), str(tmp_path))
+    assert json.load(open(tmp_path / "projection.json"))["validation"]["within_target"] is False
+    assert "outside the target" in (tmp_path / "projection.md").read_text()
