@@ -212,6 +212,7 @@ def plot_sweep(sweep: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for k, (name, series) in enumerate(sweep["series"].items()):
         color = f"C{k}"
@@ -221,6 +222,8 @@ def plot_sweep(sweep: dict, path: str) -> None:
             ax.axhline(series["compute_only"]["tokens_per_s"], color=color, ls=":", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(sweep["rates_mbit"], [f"{r:g}" for r in sweep["rates_mbit"]])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("link rate, Mbit/s (each direction, every link)")
     ax.set_ylabel("tokens/s (measured, all replicas)")
     ax.set_title(f"Throughput vs link rate, {sweep['model']}, PP=2 x DP=2 (dotted: compute-only)")
