@@ -216,6 +216,12 @@ def make_plan(args, world_size: int) -> Plan:
             raise ConfigError(f"--lora-r / twocircuit.lora: stage {empty[0]} of --pp {pp} holds no decoder layer, "
                               "so it would have nothing to train; use fewer stages or "
                               "twocircuit.partition = 'type' (decoders spread evenly)")
+    if tc.mode == "lowrank" and pp > 1:
+        rank = sum(int(n) for n, _ in tc.codec.groups)
+        if rank > spec.hidden:
+            raise ConfigError(f"twocircuit.codec.groups: {rank} coefficients per token, but the boundary of "
+                              f"--model {args.model} is {spec.hidden} wide; use at most {spec.hidden} "
+                              f"(e.g. \"groups\": [[{spec.hidden}, 4]]) or a larger model")
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
     if spec.max_positions and args.seq_len > spec.max_positions:

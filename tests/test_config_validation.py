@@ -21,6 +21,17 @@ def _cfg(tmp_path, **tc_over):
     return str(path)
 
 
+def _wide_tiny(tmp_path, hidden: int) -> str:
+    """A model folder with tiny's config at another hidden size (planning reads only the config)."""
+    from ds_twocircuit.models.presets import resolve_model
+    cfg = json.load(open(os.path.join(resolve_model("tiny"), "config.json")))
+    cfg["hidden_size"] = hidden
+    folder = tmp_path / f"tiny{hidden}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
 def _plan(tmp_path, argv, world=2):
     args = parse_args(["--model", "tiny"] + argv)
     return make_plan(args, world)
@@ -40,6 +51,8 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
     argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
     if z:
         argv += ["--anchor-replicas", "1"]
+    if name.startswith("lowrank"):   # 224 coefficients per token: a boundary at least that wide
+        argv += ["--model", _wide_tiny(tmp_path, 256)]
     plan = _plan(tmp_path, argv, world=2 * dp + 2 * z)
     assert (plan.pp, plan.dp, plan.z) == (2, dp, z)
     mode, p = {"dense": ("dense", None), "m90": ("random", 0.90), "m95": ("random", 0.95),
@@ -235,3 +248,12 @@ def test_software_throttle_refuses_bad_rates_and_nccl(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert "paces gloo's sends" in err and "this run uses nccl" in err and "launch/mesh.py" in err
     pacing.configure(None)
+
+
+def test_lowrank_codec_wider_than_the_boundary_is_refused_before_start(tmp_path):
+    """lowrank.json (224 coefficients) on a model whose boundary is 64 wide: found in the plan, with
+    what to use, instead of a traceback from the first send."""
+    with pytest.raises(ConfigError, match=r"224 coefficients per token, but the boundary of --model tiny is 64 "
+                                          r"wide; use at most 64 \(e\.g\. \"groups\": \[\[64, 4\]\]\)"):
+        _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "lowrank.json")])
+    assert _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "lowrank.json"), "--pp", "1"], world=1).pp == 1
