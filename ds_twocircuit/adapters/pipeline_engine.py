@@ -44,6 +44,7 @@ class MaskedPipelineEngine(PipelineEngine):
         self._evaluating = False
         self.timing = {"codec_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "dp_s": 0.0}
         self.step_stats: dict = {}
+        self._paced_senders: dict[int, pacing.DeferredSender] = {}   # software throttle, per peer stage
 
     # ------------------------------------------------------------------ message identity
     def _message(self, kind: str, boundary: int, shape) -> Message:
@@ -113,15 +114,14 @@ class MaskedPipelineEngine(PipelineEngine):
             wire.count(kind, wire.tensor_bytes(t))
 
     def _paced_sender(self, stage, pacer) -> pacing.DeferredSender:
-        senders = self.__dict__.setdefault("_paced_senders", {})
-        if stage not in senders:
-            senders[stage] = pacing.DeferredSender(pacer.link(f"pp->{stage}"),
-                                                   lambda t, s=stage: p2p.send(t, s), f"paced-send-to-stage{stage}")
-        return senders[stage]
+        if stage not in self._paced_senders:
+            self._paced_senders[stage] = pacing.DeferredSender(
+                pacer.link(f"pp->{stage}"), lambda t, s=stage: p2p.send(t, s), f"paced-send-to-stage{stage}")
+        return self._paced_senders[stage]
 
     def _flush_sends(self):
         """The software throttle's queued sends are out (the batch's last one included)."""
-        for sender in self.__dict__.get("_paced_senders", {}).values():
+        for sender in self._paced_senders.values():
             sender.flush()
 
     def _exec_send_activations(self, buffer_id):
