@@ -2,8 +2,8 @@
 
 For machines where the kernel cannot emulate a slow mesh (no network namespaces: unprivileged
 containers, CI runners). Each directed link a process sends on is a :class:`Link` of ``mbit``
-Mbit/s: a send of ``n`` bytes occupies it for ``n x 8 / rate`` seconds, starting when the link
-is free. As over a capped socket, a pipeline send returns at once (the kernel would buffer the
+Mbit/s: a send of ``n`` payload bytes occupies it for ``n x FRAMING x 8 / rate`` seconds (TCP/IP
+headers included, as a kernel cap counts them), starting when the link is free. As over a capped socket, a pipeline send returns at once (the kernel would buffer the
 bytes) and the receiver gets the tensor when its transfer would have ended
 (:class:`DeferredSender`); a blocking all-reduce returns when its ring bytes would have crossed,
 counted from the moment every replica has arrived; an asynchronous one (Streaming DiLoCo's
@@ -13,8 +13,8 @@ compute is kept.
 What is paced: every pipeline boundary payload (activations, gradients, codec state) on the link
 to its peer stage, and every data-parallel all-reduce on the link to the ring neighbour (ring
 bytes, as counted in ``wire.py``). Not paced: DeepSpeed's start-up weight broadcast and its tiny
-meta messages, and the anchor circuit (it reads snapshot files). The kernel cap also charges
-TCP/IP headers (a few percent); ``launch/mesh.py`` measures both on the same run.
+meta messages, and the anchor's snapshots and gradients (files). ``tests/test_mesh.py`` compares
+the throttle with the kernel cap of ``launch/mesh.py`` on the same run.
 
     python launch/train.py ... --pace-mbit 200          # or DS_TWOCIRCUIT_PACE_MBIT=200 in the environment
 """
