@@ -44,6 +44,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 OUT = os.path.join(ROOT, "docs", "benchmarks")
 # name, config, anchor replicas, quality source (benchmark file, variant)
 ROWS = [
@@ -77,10 +78,15 @@ def paper_equivalent_mbit(link_bytes_per_step: float, compute_step_s: float, rat
     return link_bytes_per_step * 8.0 / (ratio * compute_step_s) / 1e6
 
 
+def dp_config(config: str):
+    """The row's parsed ``twocircuit.dp`` section (defaults filled in as the run fills them)."""
+    from ds_twocircuit.config import TwoCircuitConfig, load_ds_config
+    return TwoCircuitConfig.from_dict(load_ds_config(os.path.join(ROOT, "ds_configs", config)).get("twocircuit", {})).dp
+
+
 def cycle_steps(config: str) -> int:
     """Steps in one period of the row's traffic (DiLoCo: H, every fragment syncs once; else 1)."""
-    dp = json.load(open(os.path.join(ROOT, "ds_configs", config)))["twocircuit"].get("dp", {})
-    return int(dp.get("inner_steps", 10)) if dp.get("backend") in ("diloco", "streaming_diloco") else 1
+    return dp_config(config).sync_schedule()[0]
 
 
 def steady_step_s(metrics: list[dict], period: int) -> float:
@@ -126,19 +132,17 @@ def steady_state(summary, mesh, metrics, steps, config):
     the PP links are 0<->2 and 1<->3 and the DP links 0<->1 and 2<->3, so the kernel's per-link
     counters separate the two kinds. DiLoCo syncs only every H steps and the anchor every K steps,
     which a short run catches a few times: their measured bytes per event are scaled to the rate
-    of a long run (DP: per fragment sync x F / H, the end-of-run average left out; anchor: per
-    update / K)."""
-    cfg = json.load(open(os.path.join(ROOT, "ds_configs", config)))["twocircuit"]
-    dp = cfg.get("dp", {})
+    of a long run (DP: per sync / the steps between syncs, H / F, the end-of-run average left out;
+    anchor: per update / K)."""
+    period, sync_every, _ = dp_config(config).sync_schedule()
     tokens_per_step = summary["tokens"] / summary["steps"]
     wb = dict(summary["wire_bytes"])
     dp_scale = 1.0
     syncs = sum(len(m.get("dp.synced_fragments") or []) for m in metrics)
-    if dp.get("backend") in ("diloco", "streaming_diloco") and syncs:
-        frags = dp.get("num_fragments", 1) if dp["backend"] == "streaming_diloco" else 1
+    if period > 1 and syncs:
         # the end-of-run exact average (in wire_bytes.dp) is not a periodic sync
         periodic = wb["dp"] - summary.get("dp_final_sync_bytes", 0)
-        steady = periodic / syncs * frags / dp.get("inner_steps", 10) * steps
+        steady = periodic / syncs / sync_every * steps
         dp_scale, wb["dp"] = steady / wb["dp"], steady
     anchor_per_step = 0.0
     an = summary.get("anchor")
@@ -172,24 +176,13 @@ def measure(row, args, work, mbit, tag):
     step_s = steady_step_s(metrics, period)
     c, dpt = s["config"], s["dp_comm_s_all_ranks"]
     return {"tokens_per_s": round(tps / step_s, 2), "step_s": round(step_s, 4), "steps": s["steps"],
-            "micro_batches": c["gradient_accumulation_steps"], "tokens_per_micro": c["micro_batch_size"] * c["seq_len"],
+            "parameters": s["parameters"]["total"], "micro_batches": c["gradient_accumulation_steps"], "tokens_per_micro": c["micro_batch_size"] * c["seq_len"],
             "dp_hidden_share": round(dpt["hidden"] / dpt["total"], 3) if dpt["total"] else 0.0,
             "timed_steps": period if period > 1 else s["steps"] - 1,
             "tokens_per_step": tps, "bytes_per_token": round(per_token, 1),
             "bytes_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "link_bytes_per_step": int(busiest),
             "link_bytes_per_step_by_link": {k: int(v) for k, v in links.items()},
             "wire_bytes_measured": s["wire_bytes"], "kernel_bytes": mesh["kernel_bytes"], "command": cmd}
-
-
-def count_params(model: str) -> int:
-    """Parameters of the model preset (built on the meta device: no weights loaded)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    sys.path.insert(0, ROOT)
-    from ds_twocircuit.models.presets import resolve_model
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(model)))
-    return sum(p.numel() for p in m.parameters())
 
 
 def quality_of(source):
@@ -307,7 +300,6 @@ def main():
         print(f"paper-equivalent link rate: {equivalent:.2f} Mbit/s (Baseline: {b['link_bytes_per_step']:,} B per "
               f"step on its busiest link, {b['step_s']:.2f} s per step uncapped, ratio {ratio:.1f})", flush=True)
     mbit = round(equivalent, 3) if equivalent else args.mbit
-    params = count_params(args.model)
     rows = []
     for row in wanted:
         name = row[0]
@@ -327,7 +319,7 @@ def main():
         res = {"benchmark": "table1", "model": args.model, "link_mbit": mbit, "paper_link_mbit": PAPER["link_mbit"],
                "paper_equivalent_mbit": round(equivalent, 3) if equivalent else None,
                "paper_comm_ratio": round(ratio, 2), "paper": PAPER,
-               "mesh": "pp=2 x dp=2 (+ Z=1 x pp=2 anchor for AP rows)", "seq_len": args.seq_len, "params": params,
+               "mesh": "pp=2 x dp=2 (+ Z=1 x pp=2 anchor for AP rows)", "seq_len": args.seq_len, "params": rows[0]["parameters"],
                "rows": rows, "command": command}
         json.dump(res, open(os.path.join(args.out, "table1.json"), "w"), indent=2)   # after every row
     write_markdown(res, os.path.join(args.out, "table1.md"))

@@ -73,18 +73,14 @@ def validation_setting(row: dict, params: float, framing: float) -> Setting:
 
 
 def dp_schedule(config: str | None) -> dict:
-    """``dp_sync_every`` / ``dp_overlap_steps`` of a config's DP backend: DiLoCo syncs every H steps,
-    Streaming DiLoCo one of F fragments every H / F steps; overlapped syncs run behind
-    ``overlap_steps`` steps; all-reduce and PowerSGD sync every step, blocking."""
+    """The cost model's ``dp_sync_every`` / ``dp_overlap_steps`` for a config's DP backend
+    (:meth:`DPConfig.sync_schedule`)."""
     if not config:
         return {}
-    dp = json.load(open(os.path.join(ROOT, config)))["twocircuit"].get("dp", {})
-    backend = dp.get("backend", "allreduce")
-    if backend not in ("diloco", "streaming_diloco"):
-        return {}
-    h = int(dp.get("inner_steps", 10))
-    every = max(1, h // int(dp.get("num_fragments", 1))) if backend == "streaming_diloco" else h
-    return {"dp_sync_every": every, "dp_overlap_steps": int(dp.get("overlap_steps", 1)) if dp.get("overlap") else 0}
+    from ds_twocircuit.config import TwoCircuitConfig, load_ds_config
+    dp = TwoCircuitConfig.from_dict(load_ds_config(os.path.join(ROOT, config)).get("twocircuit", {})).dp
+    _, every, overlap = dp.sync_schedule()
+    return {"dp_sync_every": every, "dp_overlap_steps": overlap}
 
 
 def validate(table1: dict, framing: float) -> list[dict]:

@@ -100,6 +100,19 @@ class DPConfig:
     options: dict = field(default_factory=dict)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
+    def sync_schedule(self) -> tuple[int, int, int]:
+        """``(period, sync_every, overlap_steps)`` of this backend's traffic: steps in one full cycle
+        (every fragment synced once), steps between two syncs on a link, and steps of work a sync
+        runs behind (0: blocking). All-reduce and PowerSGD sync every step, blocking; DiLoCo the
+        whole model every H steps, blocking; Streaming DiLoCo one of F fragments every H / F steps,
+        behind ``overlap_steps`` steps when ``overlap`` is on."""
+        if self.backend == "streaming_diloco":
+            return (self.inner_steps, max(1, self.inner_steps // self.num_fragments),
+                    self.overlap_steps if self.overlap else 0)
+        if self.backend == "diloco":
+            return self.inner_steps, self.inner_steps, 0
+        return 1, 1, 0
+
     @classmethod
     def keys(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)} - {"explicit"}
