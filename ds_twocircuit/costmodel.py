@@ -117,18 +117,3 @@ def compute_only(s: Setting) -> Setting:
 def ring_allreduce_bytes(payload_bytes: float, dp: int) -> float:
     """Bytes one rank sends in a ring all-reduce of ``payload_bytes`` over ``dp`` ranks."""
     return 0.0 if dp <= 1 else 2.0 * (dp - 1) / dp * payload_bytes
-
-
-def paper_equivalent_link_mbit(s: Setting, reference: Setting) -> float:
-    """The link rate at which setting ``s`` has the same communication / computation ratio of its
-    dense pipeline boundaries as ``reference`` (e.g. this machine's compute vs an A100 mesh at
-    200 Mbit/s): comm time scales with 1 / rate, so rate = rate_ref x (ratio_ref / ratio_s at
-    rate_ref)."""
-    def ratio(x: Setting, rate: float) -> float:
-        b = step_breakdown(x.replace(link_mbit=rate, latency_s=0.0))
-        return (b["boundary_s"] + b["dp_s"]) / b["compute_s"]
-    r_ref = ratio(reference, reference.link_mbit)
-    r_s = ratio(s, reference.link_mbit)
-    if r_ref <= 0:
-        raise ValueError("the reference setting sends nothing: no communication ratio to match")
-    return reference.link_mbit * r_s / r_ref

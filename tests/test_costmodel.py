@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ds_twocircuit.costmodel import (Setting, compute_only, paper_equivalent_link_mbit, ring_allreduce_bytes,
+from ds_twocircuit.costmodel import (Setting, compute_only, ring_allreduce_bytes,
                                      step_breakdown, tokens_per_s, transfer_s)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,13 +78,6 @@ def test_helpers():
         _s(pp=0)
     with pytest.raises(ValueError, match="dp_hidden"):
         _s(dp_hidden=1.5)
-
-
-def test_paper_equivalent_link_rate_scales_with_compute():
-    # 100x slower compute keeps the same communication/computation ratio at a 100x slower link
-    ref = _s(pp=2, flops=1e14, link_mbit=200.0, bytes_per_token=4096.0)
-    slow = ref.replace(flops=1e12)
-    assert paper_equivalent_link_mbit(slow, ref) == pytest.approx(2.0)
 
 
 def test_project_cli_writes_the_projection(tmp_path):
