@@ -11,8 +11,8 @@ DP), M95, M95 + AP, and the recommended low-rank codec; "+ DP" rows use PowerSGD
 (`dense_dp.json`). Columns:
 
 * ``tokens_per_s``: measured on the capped links, steady state (mean step time over the steps after
-  the first; DiLoCo rows run 2H + 2 steps and are timed over steps H+1 .. 2H, a full cycle in
-  which every fragment's sync is launched and waited for once);
+  the first; DiLoCo rows are timed over ``--cycles`` full cycles of H steps after the first one,
+  in which every fragment's sync is launched and waited for once per cycle);
 * ``tokens_per_s_compute_only``: the same row on uncapped links; ``share_of_compute_only`` their ratio;
 * ``bytes_per_token`` and ``bytes_by_kind`` (PP activations, PP gradients, codec state, DP, anchor,
   other = handshakes and tied embeddings), periodic traffic at its steady rate (DiLoCo syncs,
@@ -89,14 +89,16 @@ def cycle_steps(config: str) -> int:
     return dp_config(config).sync_schedule()[0]
 
 
-def steady_step_s(metrics: list[dict], period: int) -> float:
+def steady_step_s(metrics: list[dict], period: int, cycles: int = 1) -> float:
     """Mean step time in steady state: the steps after the first; with periodic traffic (DiLoCo,
-    period H), the H steps after the first full cycle (steps H+1 .. 2H: every fragment's sync is
-    launched and waited for in them exactly once, also with overlap, and no start-up is in them)."""
+    period H), ``cycles`` full cycles after the first one (steps H+1 .. (cycles+1) H: every
+    fragment's sync is launched and waited for in them ``cycles`` times, also with overlap, and no
+    start-up is in them)."""
     if period > 1:
-        if len(metrics) < 2 * period + 1:
-            raise ValueError(f"a row with a period of {period} steps needs at least {2 * period + 1} steps")
-        return statistics.fmean(m["step_s"] for m in metrics[period + 1:2 * period + 1])
+        end = (cycles + 1) * period + 1
+        if len(metrics) < end:
+            raise ValueError(f"a row with a period of {period} steps needs at least {end} steps")
+        return statistics.fmean(m["step_s"] for m in metrics[period + 1:end])
     times = [m["step_s"] for m in metrics[1:]] or [m["step_s"] for m in metrics]
     return statistics.fmean(times)
 
@@ -170,15 +172,15 @@ def steady_state(summary, mesh, metrics, steps, config):
 def measure(row, args, work, mbit, tag):
     name, config, z, _ = row
     period = cycle_steps(config)
-    steps = max(args.steps, 2 * period + 2) if period > 1 else args.steps
+    steps = max(args.steps, (args.cycles + 1) * period + 2) if period > 1 else args.steps
     s, mesh, metrics, cmd = run_row(config, z, args, work, mbit, tag, steps)
     per_token, by_kind, busiest, tps, links = steady_state(s, mesh, metrics, s["steps"], config)
-    step_s = steady_step_s(metrics, period)
+    step_s = steady_step_s(metrics, period, args.cycles)
     c, dpt = s["config"], s["dp_comm_s_all_ranks"]
     return {"tokens_per_s": round(tps / step_s, 2), "step_s": round(step_s, 4), "steps": s["steps"],
             "parameters": s["parameters"]["total"], "micro_batches": c["gradient_accumulation_steps"], "tokens_per_micro": c["micro_batch_size"] * c["seq_len"],
             "dp_hidden_share": round(dpt["hidden"] / dpt["total"], 3) if dpt["total"] else 0.0,
-            "timed_steps": period if period > 1 else s["steps"] - 1,
+            "timed_steps": args.cycles * period if period > 1 else s["steps"] - 1,
             "tokens_per_step": tps, "bytes_per_token": round(per_token, 1),
             "bytes_by_kind": {k: round(v, 1) for k, v in by_kind.items()}, "link_bytes_per_step": int(busiest),
             "link_bytes_per_step_by_link": {k: int(v) for k, v in links.items()},
@@ -258,7 +260,10 @@ def main():
     p.add_argument("--paper-equivalent", action="store_true",
                    help="derive the link rate from an uncapped Baseline run (see above) instead of --mbit")
     p.add_argument("--sweep", default=None, help="comma-separated link rates: tokens/s of the sweep rows at each")
-    p.add_argument("--steps", type=int, default=4, help="steps per run (DiLoCo rows: at least 2H + 2)")
+    p.add_argument("--steps", type=int, default=4, help="steps per run (DiLoCo rows: at least (cycles + 1) H + 2)")
+    p.add_argument("--cycles", type=int, default=1,
+                   help="DiLoCo rows: full cycles of H steps timed after the first one (default 1; more "
+                        "average out the syncs' spread on a busy machine)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: the config's)")
     p.add_argument("--model", default="smollm2-135m")

@@ -110,6 +110,9 @@ def test_table1_paper_equivalent_rate_and_steady_state():
     assert t1.steady_step_s(metrics, 2) == pytest.approx((3.0 + 1.0) / 2)
     with pytest.raises(ValueError, match="at least 7 steps"):
         t1.steady_step_s(metrics, 3)
+    # two cycles of H = 2 after the first: steps 3 .. 6
+    metrics7 = metrics + [{"step_s": 7.0}]
+    assert t1.steady_step_s(metrics7, 2, cycles=2) == pytest.approx((3.0 + 1.0 + 1.0 + 7.0) / 4)
     assert t1.cycle_steps("dense.json") == 1 and t1.cycle_steps("dense_dp.json") == 10
     # the schedule comes from the parsed section: Streaming DiLoCo's default F = 4 when unset
     from ds_twocircuit.dp.config import DPConfig
