@@ -14,8 +14,10 @@ byte accounting against the kernel's, TCP/IP and gloo framing included.
     python launch/mesh.py --ranks 2 --procs-per-node 2 --per-node-launcher deepspeed -- launch/train.py --deepspeed ds_configs/m95_ap.json
 
 Needs root (network namespaces) and iproute2 (``ip``, ``tc``). Namespaces get a unique prefix per
-run and are always removed, also when the run fails or is interrupted. Traffic only flows between
-the namespaces this run created: there is no route out.
+run and are always removed, also when the run fails or is stopped (Ctrl-C, SIGTERM, SIGHUP). A run
+killed outright (SIGKILL, a lost machine) cannot clean up: the next run names what it left, and
+``python launch/mesh.py --remove-stale`` removes the namespaces of runs whose process is gone.
+Traffic only flows between the namespaces this run created: there is no route out.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def burst(mbit: float) -> int:
 class Mesh:
     def __init__(self, ranks: int, mbit: float, links: dict[tuple[int, int], float]):
         self.n, self.mbit, self.links = ranks, mbit, links
-        self.prefix = f"tcm{os.getpid() % 100000}x"
+        self.prefix = f"tcm{os.getpid()}x"   # <= 15 characters with "v{i}" (pid_max 4194304)
         self.up_done = False
 
     def ns(self, i) -> str:
@@ -137,6 +139,31 @@ def parse_links(specs) -> dict[tuple[int, int], float]:
     return links
 
 
+STALE = re.compile(r"tcm(\d+)x")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_namespaces() -> list[str]:
+    """Namespaces named by a mesh run whose process no longer exists (killed outright)."""
+    listing = sh("ip", "netns", "list", check=False).stdout
+    names = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return [n for n in names if (m := STALE.match(n)) and int(m.group(1)) != os.getpid()
+            and not _alive(int(m.group(1)))]
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def output_dir_of(argv) -> str | None:
     for k, a in enumerate(argv):
         if a == "--output-dir" and k + 1 < len(argv):
@@ -176,8 +203,17 @@ def node_command(launcher: str, node: int, nodes: int, port: int, script: list[s
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--remove-stale"]:
+        if os.geteuid() != 0:
+            sys.exit("error: removing network namespaces needs root (run with sudo)")
+        gone = stale_namespaces()
+        for n in gone:
+            sh("ip", "netns", "del", n, check=False)
+        print(f"mesh: removed {len(gone)} namespaces of runs no longer alive: {' '.join(gone) or '(none)'}")
+        return 0
     if "--" not in argv:
-        sys.exit("usage: mesh.py --ranks N [--mbit M] [--link I-J:MBIT ...] -- SCRIPT [ARGS...]")
+        sys.exit("usage: mesh.py --ranks N [--mbit M] [--link I-J:MBIT ...] -- SCRIPT [ARGS...]\n"
+                 "       mesh.py --remove-stale   (namespaces left by runs that were killed outright)")
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="launch/mesh.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,7 +247,14 @@ def main(argv=None) -> int:
     if args.procs_per_node < 1 or (args.procs_per_node > 1 and args.per_node_launcher == "none"):
         sys.exit("error: --procs-per-node must be >= 1, and > 1 needs --per-node-launcher "
                  "deepspeed, torchrun or torchrun-c10d")
+    stale = stale_namespaces()
+    if stale:
+        sys.stderr.write(f"mesh: warning: {len(stale)} namespaces left by runs killed outright ({' '.join(stale)}); "
+                         "they do not disturb this run; remove them with: sudo python launch/mesh.py --remove-stale\n")
     mesh = Mesh(args.ranks, args.mbit, parse_links(args.link))
+    # SIGTERM / SIGHUP unwind like Ctrl-C, so the namespaces are removed
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     hostfile = os.path.join(ROOT, ".cache", f"{mesh.prefix}hostfile")
     procs = []
     t0 = time.time()
@@ -258,7 +301,7 @@ def main(argv=None) -> int:
             sys.stderr.write(f"mesh: run failed (exit codes {codes})\n")
         links = mesh.link_bytes()
         out = output_dir_of(script)
-        report = {"ranks": args.ranks, "mbit": args.mbit, "links_mbit": {f"{i}->{j}": r for (i, j), r in
+        report = {"ranks": args.ranks, "mbit": args.mbit, "namespace_prefix": mesh.prefix, "links_mbit": {f"{i}->{j}": r for (i, j), r in
                                                                         mesh.links.items()},
                   "kernel_bytes": links, "kernel_bytes_total": sum(links.values()),
                   "wall_s": round(time.time() - t0, 2), "command": " ".join(["python", "launch/mesh.py", *argv])}

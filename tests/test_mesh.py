@@ -28,9 +28,58 @@ def test_kernel_counts_what_the_project_counts(tmp_path):
         kernel = mesh["kernel_bytes"][link]
         # payload + TCP/IP headers (~3-4%) + rendezvous and scalar collectives (tens of KB)
         assert ours <= kernel <= 1.08 * ours + 150_000, (link, kernel, ours)
-    # nothing left behind
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "tcm" not in left
+    # nothing left behind (by this run: other runs on the host may hold their own namespaces)
+    assert mesh["namespace_prefix"].startswith("tcm") and not namespaces(mesh["namespace_prefix"])
+
+
+def namespaces(prefix: str) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]
+
+
+def test_a_stopped_mesh_removes_its_namespaces(tmp_path):
+    """SIGTERM (a scheduler's stop, a closed terminal's SIGHUP) unwinds like Ctrl-C: the ranks are
+    stopped and the namespaces removed."""
+    import signal
+    import time
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "2", "--mbit", "10",
+                          "--", str(script)], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    prefix = f"tcm{p.pid}x"
+    deadline = time.time() + 60
+    while len(namespaces(prefix)) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(namespaces(prefix)) == 3, p.stderr.read() if p.poll() is not None else "mesh not up in 60 s"
+    time.sleep(1)                                          # the ranks are started
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM
+    assert namespaces(prefix) == []
+
+
+def test_remove_stale_removes_only_namespaces_of_dead_runs(tmp_path):
+    """A mesh killed outright (SIGKILL) cannot clean up. The next run warns, and
+    ``--remove-stale`` removes namespaces named by runs whose process is gone, never a live run's."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                            # a pid that no process holds now
+    live = os.getpid()
+    mine = [f"tcm{dead.pid}x0", f"tcm{dead.pid}xsw", f"tcm{live}x0"]
+    for n in mine:
+        subprocess.run(["ip", "netns", "add", n], check=True)
+    try:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "1", "--mbit", "10",
+                            "--", "-c", "pass"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert f"tcm{dead.pid}x0" in p.stderr and "--remove-stale" in p.stderr
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--remove-stale"], cwd=ROOT,
+                           env=env(), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert namespaces(f"tcm{dead.pid}x") == [] and namespaces(f"tcm{live}x") == [f"tcm{live}x0"]
+    finally:
+        for n in mine:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
 @pytest.mark.parametrize("cfg", ["dense.json", "m95_dp.json"])

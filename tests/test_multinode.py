@@ -23,9 +23,10 @@ def _mesh(nodes, launcher, train_args, out, procs_per_node=1, timeout=600):
            "--output-dir", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    mesh = json.load(open(os.path.join(out, "mesh.json")))
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "tcm" not in left
-    return read_summary(out), json.load(open(os.path.join(out, "mesh.json")))
+    assert mesh["namespace_prefix"] not in left         # this run's namespaces are gone
+    return read_summary(out), mesh
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "torchrun-c10d"])
