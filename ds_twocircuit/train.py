@@ -381,18 +381,14 @@ def log0(is_rank0: bool, msg: str) -> None:
 def _replicas_identical(engine, plan) -> bool | None:
     """Whether all DP replicas of every stage hold bitwise-identical weights (a digest per
     replica; no weights cross the wire)."""
-    import hashlib
     import torch
     import torch.distributed as dist
+    from .adapters.dist import from_comm, group_agrees, to_comm, weights_digest
     if plan.dp == 1:
         return None
-    h = hashlib.sha256()
-    for _, p in sorted(engine.module.named_parameters()):
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    digests = [None] * plan.dp
-    dist.all_gather_object(digests, h.hexdigest(), group=engine.grid.get_data_parallel_group())
-    from .adapters.dist import from_comm, to_comm
-    flag = to_comm(torch.tensor([1.0 if len(set(digests)) == 1 else 0.0]))
+    same = group_agrees(weights_digest(engine.module.named_parameters()), engine.grid.get_data_parallel_group(),
+                        plan.dp)
+    flag = to_comm(torch.tensor([1.0 if same else 0.0]))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(from_comm(flag).item() == 1.0)
 
@@ -705,10 +701,9 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
         if tc.mode != "dense":
             evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
 
-    # DeepSpeed's engine broadcasts every parameter from each DP group's first replica at start-up
-    # (one-off, outside our counters): what this rank received, for the summary
-    dp_init_local = (sum(p.numel() * p.element_size() for p in engine.module.parameters())
-                     if plan.dp > 1 and engine.grid.get_data_parallel_id() != 0 else 0)
+    # start-up: what this rank received from its DP group's first replica (one-off, outside our
+    # counters; nothing when the replicas loaded the same weights, see MaskedPipelineEngine)
+    dp_init_local = engine.start_broadcast_bytes
     first_replica = engine.grid.get_data_parallel_id() == 0
     counts = {"dp_final_sync": dp_final_local, "dp_init": dp_init_local,
               "trainable": sum(p.numel() for p in engine.module.parameters() if p.requires_grad) if first_replica else 0,

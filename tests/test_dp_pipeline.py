@@ -107,6 +107,39 @@ def test_resume_continues_exactly(tmp_path, runs, name):
     assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(runs[name])][3:]
 
 
+def test_start_up_broadcast_only_when_replicas_differ(tmp_path, runs):
+    """DeepSpeed broadcasts the whole model from each DP group's first replica at start-up; replicas
+    that loaded the same weights skip it (a digest compared per DP group). Here one replica's
+    stage-1 weights are perturbed before the engine is built: only that stage's group broadcasts
+    (its parameter bytes, received by replica 1), and the run ends with identical replicas."""
+    s0 = read_summary(runs["allreduce"])
+    assert s0["dp_init_broadcast_bytes"] == 0 and s0["dp_replicas_identical"] is True
+    script = tmp_path / "perturbed_train.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "import ds_twocircuit.adapters.pipe_module as pm\n"
+        "from ds_twocircuit.train import run\n"
+        "build = pm.build_pipeline\n"
+        "def perturbed(*a, **k):\n"
+        "    module = build(*a, **k)\n"
+        "    stage = module._topo.get_coord(int(os.environ['RANK'])).pipe\n"
+        "    if os.environ['RANK'] == '3':\n"
+        "        with torch.no_grad():\n"
+        "            next(module.parameters()).add_(1e-3)\n"
+        "    print(f'STAGE_BYTES {stage} {sum(p.numel() * p.element_size() for p in module.parameters())}', flush=True)\n"
+        "    return module\n"
+        "pm.build_pipeline = perturbed\n"
+        "sys.exit(run(sys.argv[1:]))\n")
+    out = str(tmp_path / "run")
+    p = torchrun(4, ["--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense.json"), "--pp", "2", "--dp", "2",
+                     "--steps", "2", "--seq-len", "32", "--eval-sequences", "0", "--output-dir", out],
+                 script=str(script))
+    stage_bytes = dict(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("STAGE_BYTES"))
+    s = read_summary(out)
+    assert s["dp_replicas_identical"] is True
+    assert s["dp_init_broadcast_bytes"] == int(stage_bytes["1"]) > 0
+
+
 def test_resume_with_a_different_dp_size(tmp_path):
     # all-reduce keeps no per-replica state: a dp=2 checkpoint resumes on dp=1
     first = _train(tmp_path, "ar_dp2", BACKENDS["allreduce"], 2, ["--save-checkpoint", "--no-save-model"])

@@ -32,6 +32,8 @@ OVERRIDDEN = {
     (PIPE_ENGINE, "_exec_optimizer_step"): (["self", "lr_kwargs"], "DiLoCo's outer step after it"),
     (PIPE_MODULE, "_partition_layers"): (["self", "method"], "pipe_module.TwoCircuitPipe: stage "
                                          "boundaries by layer cost"),
+    (ENGINE, "_broadcast_model"): (["self"], "pipeline_engine.MaskedPipelineEngine: the start-up "
+                                   "broadcast is skipped when a DP group's replicas already agree"),
     (ENGINE, "_take_model_step"): (["self", "lr_kwargs"],
                                    "plain_engine.attach_dp_backend wraps it on the instance: the DP "
                                    "sync must come before DeepSpeed's gradient clipping inside it, "
@@ -48,6 +50,8 @@ USED = {
     (PIPE_MODULE, "_local_start"): "anchor_circuit: which layer files a stage writes",
     (PIPE_MODULE, "_local_stop"): "anchor_circuit: which layer files a stage writes",
     (PIPE_MODULE, "_recursive_getattr"): "pipe_module.mark_stage_parameters: tied copies",
+    (ENGINE, "seq_data_parallel_group"): "pipeline_engine: the DP group, before self.grid exists",
+    (ENGINE, "dist_backend"): "pipeline_engine: no broadcast without a backend",
     (ENGINE, "_config"): "plain_engine: the twocircuit section of the engine's config",
     ("deepspeed.utils.groups", "_get_data_parallel_group"): "plain_engine: the DP group",
     ("deepspeed.comm.torch", "build_shm_op"): "dist.prepare_runtime: skips a 1-minute JIT build on CPU",

@@ -142,6 +142,24 @@ def shutdown_world() -> None:
         dist.destroy_process_group()
 
 
+def weights_digest(named_parameters) -> str:
+    """SHA-256 of every parameter's bytes, in name order (the bytes never leave the rank)."""
+    import hashlib
+    import torch
+    h = hashlib.sha256()
+    for _, p in sorted(named_parameters, key=lambda np_: np_[0]):
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def group_agrees(value: str, group, size: int) -> bool:
+    """Whether every rank of ``group`` holds the same ``value`` (a digest: 64 characters each)."""
+    import torch.distributed as dist
+    values = [None] * size
+    dist.all_gather_object(values, value, group=group)
+    return len(set(values)) == 1
+
+
 def supervise(argv) -> int:
     """Run the anchor worker as a child process; never fail the launch because of it."""
     env = dict(os.environ, **{CHILD_ENV: "1"})

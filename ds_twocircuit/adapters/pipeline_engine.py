@@ -29,6 +29,28 @@ META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
 class MaskedPipelineEngine(PipelineEngine):
     """Configure with :meth:`setup_twocircuit` right after construction."""
 
+    start_broadcast_bytes = 0   # what this rank received in the start-up broadcast
+
+    def _broadcast_model(self):
+        """At start-up DeepSpeed broadcasts every parameter from each DP group's first replica:
+        the whole model over the DP links (0.4 GB for SmolLM2-135M's two fp32 stages, 4 minutes at
+        13 Mbit/s; 5 GB for a 1B model's fp32 weights). Replicas that loaded the same weights (the
+        same checkpoint, or the same seed) skip it: each compares a SHA-256 of its weights with its
+        DP group's (64 bytes per rank cross the wire), and only a group whose replicas differ
+        broadcasts, as DeepSpeed would. Called from DeepSpeedEngine.__init__ (checked against
+        DeepSpeed 0.19.8, adapters/deepspeed_private.py), before ``self.grid`` exists."""
+        import deepspeed.comm as ds_dist
+        from .dist import group_agrees, weights_digest
+        size = self.dp_world_size
+        if self.dist_backend is None or size == 1:
+            return super()._broadcast_model()
+        group = self.seq_data_parallel_group
+        if group_agrees(weights_digest(self.module.named_parameters()), group, size):
+            return
+        if ds_dist.get_rank(group=group) != 0:
+            self.start_broadcast_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        super()._broadcast_model()
+
     def setup_twocircuit(self, tc, mask_seed: int, dp_backend=None):
         self.tc = tc
         self.mask_seed = int(mask_seed)
