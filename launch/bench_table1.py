@@ -234,7 +234,8 @@ def write_markdown(res: dict, path: str) -> None:
     lines = [f"Link rate {res['link_mbit']:g} Mbit/s"
              + (f" (paper-equivalent: the Baseline's communication / computation ratio equals the paper's "
                 f"{res['paper_comm_ratio']:.1f} at 200 Mbit/s)" if res.get("paper_equivalent_mbit") else "")
-             + f"; mesh {res['mesh']}; model {res['model']}. Command: `{res['command']}`", "",
+             + f"; mesh {res['mesh']}; model {res['model']}. Command: `{res['command']}`"
+             + "".join(f"; rows added by `{c}`" for c in res.get("commands_added", [])), "",
              "| variant | tokens/s | compute-only | share | speed-up | bytes/token | PP act / grad / state | DP | anchor "
              "| busiest link B/step | held-out loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -269,6 +270,9 @@ def main():
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rows", default=None, help="comma-separated row indices (default: all; sweep: "
                    f"{','.join(map(str, SWEEP_ROWS))})")
+    p.add_argument("--add-rows", default=None,
+                   help="comma-separated row indices to add to the table already in --out, at its link rate "
+                        "and settings (a long table in parts; the Baseline it holds stays the reference)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the uncapped runs")
     p.add_argument("--out", default=OUT, help="folder for table1.json / .md (sweep: table1_sweep.json / .png)")
     args = p.parse_args()
@@ -295,6 +299,8 @@ def main():
         plot_sweep(sweep, os.path.join(args.out, "table1_sweep.png"))
         print(f"wrote {args.out}/table1_sweep.json and table1_sweep.png")
         return
+    if args.add_rows:
+        return add_rows(args, work, command)
     wanted = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
     ratio, equivalent, uncapped = paper_comm_ratio(), None, {}
     if args.paper_equivalent:
@@ -307,27 +313,67 @@ def main():
     mbit = round(equivalent, 3) if equivalent else args.mbit
     rows = []
     for row in wanted:
-        name = row[0]
-        if not args.no_compute_only and name not in uncapped:
-            uncapped[name] = measure(row, args, work, 0, "uncapped")
-        m = measure(row, args, work, mbit, f"{mbit:g}mbit")
-        co = uncapped.get(name)
-        rows.append({"variant": name, "config": f"ds_configs/{row[1]}", "anchor_replicas": row[2], **m,
-                     "tokens_per_s_compute_only": co["tokens_per_s"] if co else None,
-                     "share_of_compute_only": round(m["tokens_per_s"] / co["tokens_per_s"], 3) if co else None,
-                     "command_compute_only": co["command"] if co else None,
-                     **(quality_of(row[3]) if args.model == "smollm2-135m" else {})})
-        base = rows[0]["tokens_per_s"] if rows[0]["variant"].startswith("Baseline (") else None
-        for r in rows:
-            r["speedup"] = round(r["tokens_per_s"] / base, 2) if base else None
-            r["bytes_reduction"] = round(rows[0]["bytes_per_token"] / r["bytes_per_token"], 1) if base else None
+        rows.append(table_row(row, args, work, mbit, uncapped))
+        relative_to_baseline(rows)
         res = {"benchmark": "table1", "model": args.model, "link_mbit": mbit, "paper_link_mbit": PAPER["link_mbit"],
                "paper_equivalent_mbit": round(equivalent, 3) if equivalent else None,
                "paper_comm_ratio": round(ratio, 2), "paper": PAPER,
                "mesh": "pp=2 x dp=2 (+ Z=1 x pp=2 anchor for AP rows)", "seq_len": args.seq_len, "params": rows[0]["parameters"],
                "rows": rows, "command": command}
         json.dump(res, open(os.path.join(args.out, "table1.json"), "w"), indent=2)   # after every row
-    write_markdown(res, os.path.join(args.out, "table1.md"))
+    finish(res, args.out)
+
+
+def table_row(row, args, work, mbit, uncapped: dict) -> dict:
+    name = row[0]
+    if not args.no_compute_only and name not in uncapped:
+        uncapped[name] = measure(row, args, work, 0, "uncapped")
+    m = measure(row, args, work, mbit, f"{mbit:g}mbit")
+    co = uncapped.get(name)
+    return {"variant": name, "config": f"ds_configs/{row[1]}", "anchor_replicas": row[2], **m,
+            "tokens_per_s_compute_only": co["tokens_per_s"] if co else None,
+            "share_of_compute_only": round(m["tokens_per_s"] / co["tokens_per_s"], 3) if co else None,
+            "command_compute_only": co["command"] if co else None,
+            **(quality_of(row[3]) if args.model == "smollm2-135m" else {})}
+
+
+def relative_to_baseline(rows: list[dict]) -> None:
+    base = rows[0]["tokens_per_s"] if rows[0]["variant"].startswith("Baseline (") else None
+    for r in rows:
+        r["speedup"] = round(r["tokens_per_s"] / base, 2) if base else None
+        r["bytes_reduction"] = round(rows[0]["bytes_per_token"] / r["bytes_per_token"], 1) if base else None
+
+
+def add_rows(args, work, command) -> None:
+    """Rows added to a stored table at its link rate, with the settings its rows were run with."""
+    path = os.path.join(args.out, "table1.json")
+    if not os.path.exists(path):
+        sys.exit(f"error: --add-rows: no table to add to at {path} (run the table first)")
+    res = json.load(open(path))
+    first = res["rows"][0]
+    stored = {"--model": res["model"], "--seq-len": res["seq_len"], "--micro-batches": first["micro_batches"]}
+    given = {"--model": args.model, "--seq-len": args.seq_len,
+             "--micro-batches": args.micro_batches or first["micro_batches"]}
+    for key in stored:
+        if stored[key] != given[key]:
+            sys.exit(f"error: --add-rows: {path} was run with {key} {stored[key]}, this run has {given[key]}: "
+                     "give the same settings")
+    names = [r[0] for r in ROWS]
+    mbit, uncapped = res["link_mbit"], {}
+    res["commands_added"] = [*res.get("commands_added", []), command]
+    for i in (int(x) for x in args.add_rows.split(",")):
+        row = ROWS[i]
+        res["rows"] = [r for r in res["rows"] if r["variant"] != row[0]]
+        res["rows"].append(table_row(row, args, work, mbit, uncapped))
+        res["rows"].sort(key=lambda r: names.index(r["variant"]))
+        relative_to_baseline(res["rows"])
+        json.dump(res, open(path, "w"), indent=2)   # after every row
+    finish(res, args.out)
+
+
+def finish(res: dict, out: str) -> None:
+    rows = res["rows"]
+    write_markdown(res, os.path.join(out, "table1.md"))
     print(f"{'variant':32} {'tok/s':>9} {'compute-only':>13} {'speed-up':>9} {'bytes/token':>12}")
     for r in rows:
         print(f"{r['variant']:32} {r['tokens_per_s']:>9,.1f} {str(r['tokens_per_s_compute_only']):>13} "

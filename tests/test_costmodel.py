@@ -163,3 +163,40 @@ def test_validation_predicts_an_emulated_row_by_hand(tmp_path):
     project.write_validation([v], str(tmp_path / "table1.json"), str(tmp_path))
     assert json.load(open(tmp_path / "projection.json"))["validation"]["within_target"] is False
     assert "outside the target" in (tmp_path / "projection.md").read_text()
+
+
+def test_table1_rows_added_to_a_stored_table(tmp_path, monkeypatch):
+    """``--add-rows``: rows run later join the stored table at its link rate, in table order, with
+    speed-ups against the stored Baseline; other settings than the stored ones are refused."""
+    import argparse
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    calls = []
+
+    def fake_measure(row, args, work, mbit, tag):
+        calls.append((row[0], mbit))
+        tps = {0: 300.0}.get(mbit, 150.0)                    # uncapped 300, capped 150
+        return {"tokens_per_s": tps, "bytes_per_token": 25.0, "micro_batches": 2, "parameters": 10,
+                "bytes_by_kind": dict.fromkeys(("pp_activations", "pp_gradients", "codec_state", "dp", "anchor",
+                                                "other"), 1.0), "link_bytes_per_step": 7, "command": "c",
+                "tokens_per_s_compute_only": None}
+    monkeypatch.setattr(t1, "measure", fake_measure)
+    stored = {"model": "m", "seq_len": 64, "link_mbit": 12.5, "command": "first", "mesh": "pp=2 x dp=2",
+              "rows": [{**fake_measure(t1.ROWS[0], None, None, 12.5, ""), "variant": t1.ROWS[0][0],
+                        "tokens_per_s": 10.0, "bytes_per_token": 1000.0},
+                       {**fake_measure(t1.ROWS[6], None, None, 12.5, ""), "variant": t1.ROWS[6][0]}]}
+    calls.clear()
+    (tmp_path / "table1.json").write_text(json.dumps(stored))
+    args = argparse.Namespace(add_rows="5,2", out=str(tmp_path), model="m", seq_len=64, micro_batches=None,
+                              no_compute_only=False)
+    t1.add_rows(args, str(tmp_path), "python launch/bench_table1.py --add-rows 5,2")
+    res = json.load(open(tmp_path / "table1.json"))
+    assert [r["variant"] for r in res["rows"]] == [t1.ROWS[i][0] for i in (0, 2, 5, 6)]
+    assert sorted(calls) == sorted([(t1.ROWS[5][0], 0), (t1.ROWS[5][0], 12.5), (t1.ROWS[2][0], 0),
+                                    (t1.ROWS[2][0], 12.5)])
+    added = res["rows"][1]
+    assert added["speedup"] == 15.0 and added["bytes_reduction"] == 40.0 and added["share_of_compute_only"] == 0.5
+    assert res["commands_added"] == ["python launch/bench_table1.py --add-rows 5,2"]
+    assert "rows added by `python launch/bench_table1.py --add-rows 5,2`" in (tmp_path / "table1.md").read_text()
+    with pytest.raises(SystemExit, match="--seq-len 64, this run has 128"):
+        t1.add_rows(argparse.Namespace(**{**vars(args), "seq_len": 128}), str(tmp_path), "x")
