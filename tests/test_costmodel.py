@@ -160,6 +160,13 @@ def test_validation_predicts_an_emulated_row_by_hand(tmp_path):
     sd = project.validation_setting({**row, "link_mbit": 0.01, "config": "ds_configs/dense_dp.json"}, 1e6, 1.0)
     assert (sd.dp_sync_every, sd.dp_overlap_steps) == (5, 1)
     assert step_breakdown(sd)["dp_exposed_s"] == 0.0 and step_breakdown(sd)["step_s"] == pytest.approx(20.0)
+    # stages balanced by compute carry unequal gradients: the heavier stage's all-reduce sets the
+    # pace (DP links join ranks of one stage: 0<->1, 2<->3; PP links and the anchor's are ignored)
+    links = {"0->1": 300, "1->0": 300, "2->3": 100, "3->2": 100, "0->2": 5000, "stage0<->anchor": 9}
+    assert project.dp_imbalance({"link_bytes_per_step_by_link": links}) == 1.5
+    assert project.dp_imbalance(row) == 1.0
+    si = project.validation_setting({**row, "link_mbit": 0.01, "link_bytes_per_step_by_link": links}, 1e6, 1.0)
+    assert si.dp_bytes_per_rank == 1.5 * s.dp_bytes_per_rank == 1500
     project.write_validation([v], str(tmp_path / "table1.json"), str(tmp_path))
     assert json.load(open(tmp_path / "projection.json"))["validation"]["within_target"] is False
     assert "outside the target" in (tmp_path / "projection.md").read_text()
