@@ -32,12 +32,14 @@ is 42.3 compute steps, 41.3 of them communication. Rate = busiest link's bytes p
     python launch/bench_table1.py --paper-equivalent             # the table (root: network namespaces)
     python launch/bench_table1.py --mbit 200                      # at a given rate
     python launch/bench_table1.py --sweep 25,50,100,200,500,1000  # tokens/s vs link rate (PNG)
+    python launch/bench_table1.py --add-rows 2,3,4 ...              # more rows, at the stored table's rate
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -79,9 +81,20 @@ def paper_equivalent_mbit(link_bytes_per_step: float, compute_step_s: float, rat
 
 
 def dp_config(config: str):
-    """The row's parsed ``twocircuit.dp`` section (defaults filled in as the run fills them)."""
+    """The parsed ``twocircuit.dp`` section of a config (``m95.json`` or ``ds_configs/m95.json``),
+    defaults filled in as the run fills them."""
     from ds_twocircuit.config import TwoCircuitConfig, load_ds_config
-    return TwoCircuitConfig.from_dict(load_ds_config(os.path.join(ROOT, "ds_configs", config)).get("twocircuit", {})).dp
+    return TwoCircuitConfig.from_dict(load_ds_config(config).get("twocircuit", {})).dp
+
+
+def link_kind(link: str) -> str | None:
+    """``"dp"`` or ``"pp"`` for a directed link ``"I->J"`` between fast ranks (DeepSpeed's
+    PipeDataParallelTopology with pp = dp = 2: rank = stage x 2 + replica, so a DP link joins two
+    ranks of one stage); None for the anchor's ranks (4, 5) and the anchor's estimated links."""
+    m = re.fullmatch(r"(\d+)->(\d+)", link)
+    if not m or max(int(m.group(1)), int(m.group(2))) >= 4:
+        return None
+    return "dp" if int(m.group(1)) // 2 == int(m.group(2)) // 2 else "pp"
 
 
 def cycle_steps(config: str) -> int:
@@ -158,11 +171,10 @@ def steady_state(summary, mesh, metrics, steps, config):
                "anchor": wb["anchor"] / tokens, "other": (wb["pp_handshake"] + wb["pp_tied"]) / tokens}
     links = {}
     for link, nbytes in mesh["kernel_bytes"].items():
-        i, j = (int(x) for x in link.split("->"))
-        if i >= 4 or j >= 4:
+        kind = link_kind(link)
+        if kind is None:
             continue  # anchor ranks: their traffic is the files, added below
-        is_dp = i // 2 == j // 2
-        links[link] = nbytes / steps * (dp_scale if is_dp else 1.0)
+        links[link] = nbytes / steps * (dp_scale if kind == "dp" else 1.0)
     if anchor_per_step:
         for stage in range(2):  # each fast stage sends its snapshot share and gets its gradients
             links[f"stage{stage}<->anchor"] = anchor_per_step / 2
@@ -300,6 +312,9 @@ def main():
         print(f"wrote {args.out}/table1_sweep.json and table1_sweep.png")
         return
     if args.add_rows:
+        if args.paper_equivalent or args.rows:
+            sys.exit("error: --add-rows runs at the stored table's link rate, on the rows it names: "
+                     "--paper-equivalent and --rows do not apply")
         return add_rows(args, work, command)
     wanted = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
     ratio, equivalent, uncapped = paper_comm_ratio(), None, {}

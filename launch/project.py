@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # launch/: bench_table1, benchnotes
 
 from ds_twocircuit.costmodel import Setting, compute_only, ring_allreduce_bytes, step_breakdown  # noqa: E402
 
@@ -77,10 +77,10 @@ def validation_setting(row: dict, params: float, framing: float) -> Setting:
 
 
 def dp_imbalance(row: dict) -> float:
-    """Busiest DP link over the mean DP link, bytes per step from the kernel's counters (ranks
-    are stage x 2 + replica: a DP link joins two ranks of one stage); 1 without per-link counts."""
-    links = [v for k, v in row.get("link_bytes_per_step_by_link", {}).items()
-             if re.fullmatch(r"\d+->\d+", k) and int(k.split("->")[0]) // 2 == int(k.split("->")[1]) // 2]
+    """Busiest DP link over the mean DP link, bytes per step from the kernel's counters; 1 without
+    per-link counts."""
+    from bench_table1 import link_kind
+    links = [v for k, v in row.get("link_bytes_per_step_by_link", {}).items() if link_kind(k) == "dp"]
     mean = sum(links) / len(links) if links else 0.0
     return max(links) / mean if mean > 0 else 1.0
 
@@ -90,9 +90,8 @@ def dp_schedule(config: str | None) -> dict:
     (:meth:`DPConfig.sync_schedule`)."""
     if not config:
         return {}
-    from ds_twocircuit.config import TwoCircuitConfig, load_ds_config
-    dp = TwoCircuitConfig.from_dict(load_ds_config(os.path.join(ROOT, config)).get("twocircuit", {})).dp
-    _, every, overlap = dp.sync_schedule()
+    from bench_table1 import dp_config
+    _, every, overlap = dp_config(config).sync_schedule()
     return {"dp_sync_every": every, "dp_overlap_steps": overlap}
 
 
@@ -110,7 +109,6 @@ def validate(table1: dict, framing: float) -> list[dict]:
 
 
 def write_validation(rows: list[dict], table1_path: str, out_dir: str, target: float = 0.15) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from benchnotes import write_section
     path = os.path.join(out_dir, "projection.json")
     d = json.load(open(path)) if os.path.exists(path) else {}
@@ -199,7 +197,6 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "projection.json"), "w") as f:
             json.dump(out, f, indent=2)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from benchnotes import write_section   # keeps the hand-written prose around the table
         write_section(os.path.join(args.out, "projection.md"), "<!-- projection: written by launch/project.py -->",
                       "<!-- end of projection -->", lines, "Throughput projection")

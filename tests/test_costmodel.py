@@ -114,6 +114,10 @@ def test_table1_paper_equivalent_rate_and_steady_state():
     metrics7 = metrics + [{"step_s": 7.0}]
     assert t1.steady_step_s(metrics7, 2, cycles=2) == pytest.approx((3.0 + 1.0 + 1.0 + 7.0) / 4)
     assert t1.cycle_steps("dense.json") == 1 and t1.cycle_steps("dense_dp.json") == 10
+    assert t1.dp_config("ds_configs/dense_dp.json") == t1.dp_config("dense_dp.json")
+    # rank = stage x 2 + replica: 0<->1 and 2<->3 are DP links, 0<->2 and 1<->3 PP; 4, 5 the anchor's
+    assert [t1.link_kind(k) for k in ("0->1", "3->2", "0->2", "3->1", "0->3", "4->0", "stage0<->anchor")] == \
+        ["dp", "dp", "pp", "pp", "pp", None, None]
     # the schedule comes from the parsed section: Streaming DiLoCo's default F = 4 when unset
     from ds_twocircuit.dp.config import DPConfig
     assert DPConfig.from_dict({"backend": "streaming_diloco", "inner_steps": 8}).sync_schedule() == (8, 2, 1)
