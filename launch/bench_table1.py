@@ -32,7 +32,7 @@ is 42.3 compute steps, 41.3 of them communication. Rate = busiest link's bytes p
     python launch/bench_table1.py --paper-equivalent             # the table (root: network namespaces)
     python launch/bench_table1.py --mbit 200                      # at a given rate
     python launch/bench_table1.py --sweep 25,50,100,200,500,1000  # tokens/s vs link rate (PNG)
-    python launch/bench_table1.py --add-rows 2,3,4 ...              # more rows, at the stored table's rate
+    python launch/bench_table1.py --add-rows 2,3,4 ...            # more rows, at the stored table's rate
 """
 from __future__ import annotations
 

@@ -16,12 +16,14 @@ byte accounting against the kernel's, TCP/IP and gloo framing included.
 Needs root (network namespaces) and iproute2 (``ip``, ``tc``). Namespaces get a unique prefix per
 run and are always removed, also when the run fails or is stopped (Ctrl-C, SIGTERM, SIGHUP). A run
 killed outright (SIGKILL, a lost machine) cannot clean up: the next run names what it left, and
-``python launch/mesh.py --remove-stale`` removes the namespaces of runs whose process is gone.
+``python launch/mesh.py --remove-stale`` removes the namespaces of runs that are gone (each run holds
+a lock in /run/ds-twocircuit-mesh while it lives; namespaces without one are never removed).
 Traffic only flows between the namespaces this run created: there is no route out.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -54,8 +56,9 @@ def burst(mbit: float) -> int:
 class Mesh:
     def __init__(self, ranks: int, mbit: float, links: dict[tuple[int, int], float]):
         self.n, self.mbit, self.links = ranks, mbit, links
-        self.prefix = f"tcm{os.getpid()}x"   # <= 15 characters with "v{i}" (pid_max 4194304)
+        self.prefix = f"tcm{os.getpid()}x"   # unique among live runs; <= 15 characters with "v{i}"
         self.up_done = False
+        self.lock = None
 
     def ns(self, i) -> str:
         return f"{self.prefix}{i}"
@@ -64,6 +67,11 @@ class Mesh:
         return self.links.get((i, j), self.mbit)
 
     def up(self):
+        # held while this run lives (the kernel drops it when the process dies, even by SIGKILL):
+        # how a later run tells a dead run's namespaces from a live one's, whatever its pid space
+        os.makedirs(LOCK_DIR, exist_ok=True)
+        self.lock = open(os.path.join(LOCK_DIR, f"{self.prefix}.lock"), "w")
+        fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         sw = f"{self.prefix}sw"
         sh("ip", "netns", "add", sw)
         self.up_done = True
@@ -122,6 +130,10 @@ class Mesh:
         return out
 
     def down(self):
+        if self.lock is not None:
+            os.remove(self.lock.name)
+            self.lock.close()
+            self.lock = None
         if not self.up_done:
             return
         for i in range(self.n):
@@ -139,25 +151,38 @@ def parse_links(specs) -> dict[tuple[int, int], float]:
     return links
 
 
-STALE = re.compile(r"tcm(\d+)x")
+STALE = re.compile(r"(tcm\d+x)")
+LOCK_DIR = "/run/ds-twocircuit-mesh"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+def _held(prefix: str) -> bool:
+    """Whether the run that named ``prefix`` still holds its lock. No lock file: a run of another
+    version or one whose /run this host does not see -- never taken for dead."""
+    path = os.path.join(LOCK_DIR, f"{prefix}.lock")
+    if not os.path.exists(path):
         return True
-    return True
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
 
 
 def stale_namespaces() -> list[str]:
-    """Namespaces named by a mesh run whose process no longer exists (killed outright)."""
+    """Namespaces of mesh runs that died without cleaning up (killed outright): their lock is free."""
     listing = sh("ip", "netns", "list", check=False).stdout
     names = [line.split()[0] for line in listing.splitlines() if line.strip()]
-    return [n for n in names if (m := STALE.match(n)) and int(m.group(1)) != os.getpid()
-            and not _alive(int(m.group(1)))]
+    return [n for n in names if (m := STALE.match(n)) and not _held(m.group(1))]
+
+
+def remove_stale() -> list[str]:
+    gone = stale_namespaces()
+    for n in gone:
+        sh("ip", "netns", "del", n, check=False)
+    for prefix in {STALE.match(n).group(1) for n in gone}:
+        os.remove(os.path.join(LOCK_DIR, f"{prefix}.lock"))
+    return gone
 
 
 def _stop(signum, frame):
@@ -206,9 +231,7 @@ def main(argv=None) -> int:
     if argv == ["--remove-stale"]:
         if os.geteuid() != 0:
             sys.exit("error: removing network namespaces needs root (run with sudo)")
-        gone = stale_namespaces()
-        for n in gone:
-            sh("ip", "netns", "del", n, check=False)
+        gone = remove_stale()
         print(f"mesh: removed {len(gone)} namespaces of runs no longer alive: {' '.join(gone) or '(none)'}")
         return 0
     if "--" not in argv:

@@ -57,29 +57,41 @@ def test_a_stopped_mesh_removes_its_namespaces(tmp_path):
     p.wait(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM
     assert namespaces(prefix) == []
+    assert not os.path.exists(f"/run/ds-twocircuit-mesh/{prefix}.lock")   # its liveness lock too
 
 
 def test_remove_stale_removes_only_namespaces_of_dead_runs(tmp_path):
-    """A mesh killed outright (SIGKILL) cannot clean up. The next run warns, and
-    ``--remove-stale`` removes namespaces named by runs whose process is gone, never a live run's."""
-    dead = subprocess.Popen(["true"])
-    dead.wait()                                            # a pid that no process holds now
-    live = os.getpid()
-    mine = [f"tcm{dead.pid}x0", f"tcm{dead.pid}xsw", f"tcm{live}x0"]
-    for n in mine:
+    """A mesh killed outright (SIGKILL) cannot clean up. Each run holds a lock while it lives; the
+    next run warns about namespaces whose lock is free, and ``--remove-stale`` removes exactly those:
+    never a live run's (lock held) nor one without a lock (another version, another host's /run)."""
+    import fcntl
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from mesh import LOCK_DIR
+    os.makedirs(LOCK_DIR, exist_ok=True)
+    dead, live, unknown = "tcm9999901x", "tcm9999902x", "tcm9999903x"
+    names = [f"{dead}0", f"{dead}sw", f"{live}0", f"{unknown}0"]
+    open(os.path.join(LOCK_DIR, f"{dead}.lock"), "w").close()          # its holder is gone
+    held = open(os.path.join(LOCK_DIR, f"{live}.lock"), "w")
+    fcntl.flock(held, fcntl.LOCK_EX)                                    # this process lives
+    for n in names:
         subprocess.run(["ip", "netns", "add", n], check=True)
     try:
         p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "1", "--mbit", "10",
                             "--", "-c", "pass"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
-        assert f"tcm{dead.pid}x0" in p.stderr and "--remove-stale" in p.stderr
+        assert f"{dead}0" in p.stderr and f"{live}0" not in p.stderr and "--remove-stale" in p.stderr
         p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--remove-stale"], cwd=ROOT,
                            env=env(), capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
-        assert namespaces(f"tcm{dead.pid}x") == [] and namespaces(f"tcm{live}x") == [f"tcm{live}x0"]
+        assert namespaces(dead) == [] and not os.path.exists(os.path.join(LOCK_DIR, f"{dead}.lock"))
+        assert namespaces(live) == [f"{live}0"] and namespaces(unknown) == [f"{unknown}0"]
     finally:
-        for n in mine:
+        for n in names:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        for prefix in (dead, live):
+            if os.path.exists(os.path.join(LOCK_DIR, f"{prefix}.lock")):
+                os.remove(os.path.join(LOCK_DIR, f"{prefix}.lock"))
+        held.close()
 
 
 @pytest.mark.parametrize("cfg", ["dense.json", "m95_dp.json"])
