@@ -8,18 +8,21 @@ The only line that differs from a stock Trainer script is marked ``<-- the one l
 switches DeepSpeed's all-reduce to the backend in the DeepSpeed JSON's ``"twocircuit": {"dp": ...}``
 when training starts, puts the DP metrics (``dp/bytes_sent``, ``dp/compression_ratio``,
 ``dp/comm_s``, ``dp/replicas_in_sync``, ...) into every log (so ``report_to`` reporters and
-``trainer_state.json`` get them), and finishes the DP sync before the model is saved.
+``trainer_state.json`` get them; ``dp_metrics.csv`` in the output folder has them too), and
+finishes the DP sync before the model is saved.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from ds_twocircuit.adapters.accelerate import DPCompressionCallback
+from ds_twocircuit.adapters.accelerate import DPCompressionCallback, dp_metrics
 from ds_twocircuit.data import PackedSequences, load_documents, split_documents
 from ds_twocircuit.models.presets import resolve_model
 
@@ -67,6 +70,18 @@ def main(argv=None):
     trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "hf"))   # Trainer saves on the main process only
     trainer.save_state()                                        # trainer_state.json: the log history
+    # summary.json, as examples/accelerate_loop.py writes it: the run's DP totals and whether every
+    # replica ends with the same weights
+    engine = trainer.model_wrapped
+    digest = hashlib.sha256(b"".join(p_.detach().cpu().numpy().tobytes() for p_ in engine.module.parameters()))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    digests = [digest.hexdigest()] * world
+    if world > 1:
+        dist.all_gather_object(digests, digest.hexdigest())
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump({"steps": args.steps, "world_size": world, "backend": engine.dp_backend.backend_name,
+                       "replicas_identical": len(set(digests)) == 1, **dp_metrics(engine)}, f, indent=2)
     trainer.accelerator.end_training()      # destroys the process group: gloo's threads must not outlive the interpreter
 
 

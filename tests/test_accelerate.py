@@ -113,3 +113,20 @@ def test_trainer_callback_logs_dp_metrics(tmp_path):
     assert "train/dp/bytes_sent" in tags, tags
     logged = [e.value for e in acc.Scalars("train/dp/bytes_sent")]
     assert logged[:4] == [0, full, full, 2 * full]
+    # the CSV log: one row per log with the same values, the last one the final totals
+    import csv
+    rows = list(csv.DictReader(open(out / "dp_metrics.csv")))
+    with_dp = [h for h in history if "dp/steps" in h]     # the step logs, the Trainer's summary, final
+    assert len(rows) == len(with_dp) >= 5 and [int(r["step"]) for r in rows][:4] == [1, 2, 3, 4]
+    for r, h in zip(rows, with_dp):
+        assert int(r["step"]) == h["step"]
+        for k in ("dp/steps", "dp/bytes_sent", "dp/allreduce_bytes", "dp/collectives"):
+            assert int(r[k]) == h[k], (k, r, h)
+        assert float(r["dp/replicas_in_sync"]) == h["dp/replicas_in_sync"]
+        assert (r["dp/compression_ratio"] == "") == ("dp/compression_ratio" not in h)
+    assert rows[-1]["dp/final"] == "1.0" and rows[0]["dp/final"] == ""
+    # summary.json (written after training, as the Accelerate loop's) holds the final log's totals
+    summary = json.load(open(out / "summary.json"))
+    assert summary["replicas_identical"] and summary["world_size"] == 2 and summary["backend"] == "diloco"
+    assert {k: v for k, v in summary.items() if k.startswith("dp/")} == \
+        {k: v for k, v in final.items() if k.startswith("dp/") and k != "dp/final"}

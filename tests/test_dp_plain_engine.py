@@ -95,3 +95,20 @@ def test_fp16_with_diloco_refused():
     FakeEngine.config = {"twocircuit": {"dp": {"backend": "powersgd"}}}  # fine with fp16: no weight rewrite
     with pytest.raises(AttributeError):  # gets past the fp16 check (the fake has no more engine)
         attach_dp_backend(FakeEngine())
+
+
+@pytest.mark.parametrize("section, named", [
+    ({"anchor": {"replicas": 1}, "dp": {"backend": "powersgd"}}, "twocircuit.anchor only apply"),
+    ({"mode": "masked", "mask_rate": 0.95, "lora": {"r": 8}}, "twocircuit.{lora, mask_rate, mode} only apply"),
+])
+def test_pipeline_only_keys_refused_on_a_plain_engine(section, named):
+    """An anchor (or masked boundaries, or LoRA) in the config an Accelerate/Trainer run reads is
+    refused, naming the keys and where they do apply, instead of training without them."""
+    from ds_twocircuit.config import ConfigError
+    from ds_twocircuit.adapters.plain_engine import attach_dp_backend
+
+    class FakeEngine:
+        config = {"twocircuit": section}
+    with pytest.raises(ConfigError) as e:
+        attach_dp_backend(FakeEngine())
+    assert named in str(e.value) and "launch/train.py" in str(e.value) and "twocircuit.dp" in str(e.value)

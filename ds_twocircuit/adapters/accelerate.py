@@ -15,7 +15,15 @@ syncs are finished and the replicas hold one model before you save it.
 """
 from __future__ import annotations
 
+import csv
+import os
+
 from .plain_engine import attach_dp_backend
+
+# the columns of the callback's CSV log, in order (a metric absent from a log is an empty cell)
+CSV_COLUMNS = ("step", "dp/steps", "dp/bytes_sent", "dp/allreduce_bytes", "dp/compression_ratio",
+               "dp/collectives", "dp/comm_s", "dp/hidden_comm_s", "dp/replicas_in_sync", "dp/world_size",
+               "dp/final")
 
 
 def _engine(accelerator):
@@ -62,13 +70,37 @@ except ImportError:  # transformers is a dependency; keep the module importable 
     TrainerCallback = object
 
 
+def _world_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class DPCompressionCallback(TrainerCallback):
     """Trainer callback: attach the backend when training starts, put :func:`dp_metrics` into every
     log (ahead of the ``report_to`` reporters, and into ``state.log_history``), finalize the DP
-    sync when training ends (before the model is saved)."""
+    sync when training ends (before the model is saved).
 
-    def __init__(self, trainer, dp: dict | None = None):
+    ``csv_path``: the same metrics, one row per log, as CSV (default ``<output_dir>/dp_metrics.csv``;
+    None: no CSV), written by world rank 0 (not by Accelerate's main process: on a CPU-only host
+    Accelerate with DeepSpeed calls every rank the main one)."""
+
+    def __init__(self, trainer, dp: dict | None = None, csv_path: str | None = "auto"):
         self.trainer, self.dp = trainer, dp
+        if csv_path == "auto":
+            csv_path = os.path.join(trainer.args.output_dir, "dp_metrics.csv")
+        self.csv_path = csv_path if _world_rank() == 0 else None
+        self._csv_started = False
+
+    def _write_csv(self, step: int, metrics: dict) -> None:
+        if self.csv_path is None:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.csv_path)), exist_ok=True)
+        with open(self.csv_path, "w" if not self._csv_started else "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            if not self._csv_started:
+                w.writeheader()
+            w.writerow({"step": step, **metrics})
+        self._csv_started = True
 
     def on_train_begin(self, args, state, control, **kwargs):
         attach_dp_backend(self.trainer.model_wrapped, self.dp)
@@ -82,9 +114,12 @@ class DPCompressionCallback(TrainerCallback):
             logs.update(metrics)
         if state.log_history:                        # Trainer appended this log before the callbacks
             state.log_history[-1].update(metrics)
+        self._write_csv(state.global_step, metrics)
 
     def on_train_end(self, args, state, control, **kwargs):
         engine = self.trainer.model_wrapped
         if getattr(engine, "dp_backend", None) is not None:
             _finalize(engine)
-            state.log_history.append({**dp_metrics(engine), "step": state.global_step, "dp/final": 1.0})
+            final = {**dp_metrics(engine), "dp/final": 1.0}
+            state.log_history.append({**final, "step": state.global_step})
+            self._write_csv(state.global_step, final)

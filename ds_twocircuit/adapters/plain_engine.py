@@ -28,11 +28,22 @@ FP16_DILOCO = ("twocircuit.dp.backend = {backend!r} cannot run with fp16.enabled
                "'allreduce' with fp16")
 
 
+PIPELINE_ONLY = ("twocircuit.{keys} only apply to pipeline runs (masked boundaries, the anchor circuit, "
+                 "LoRA under the pipeline): launch them with `deepspeed launch/train.py --deepspeed <config>`. "
+                 "On a plain DeepSpeed engine (Accelerate, the Trainer, deepspeed.initialize on a model) only "
+                 "twocircuit.dp is used: remove {them} from the config")
+
+
 def _dp_section(engine, dp):
     if dp is not None:
         return dp
     raw = getattr(engine, "config", None) or getattr(engine._config, "_param_dict", {})
-    return ((raw or {}).get("twocircuit") or {}).get("dp") or {"backend": "allreduce"}
+    section = (raw or {}).get("twocircuit") or {}
+    others = sorted(k for k in section if k != "dp")
+    if others:  # silently ignoring e.g. an anchor section would train something else than asked
+        raise ConfigError(PIPELINE_ONLY.format(keys="{" + ", ".join(others) + "}" if len(others) > 1
+                                               else others[0], them="them" if len(others) > 1 else "it"))
+    return section.get("dp") or {"backend": "allreduce"}
 
 
 def attach_dp_backend(engine, dp: dict | None = None):
