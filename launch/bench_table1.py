@@ -33,6 +33,8 @@ is 42.3 compute steps, 41.3 of them communication. Rate = busiest link's bytes p
     python launch/bench_table1.py --mbit 200                      # at a given rate
     python launch/bench_table1.py --sweep 25,50,100,200,500,1000  # tokens/s vs link rate (PNG)
     python launch/bench_table1.py --add-rows 2,3,4 ...            # more rows, at the stored table's rate
+    python launch/bench_table1.py --sweep 14.35,28.7 --from-table docs/benchmarks/table1.json ...
+                                      # a sweep reusing the table's compute-only runs and its rate's point
 """
 from __future__ import annotations
 
@@ -215,30 +217,81 @@ def quality_of(source):
             f"{len(recs)} seed{'s' if len(recs) > 1 else ''})"}
 
 
+def sweep_speedups(sweep: dict) -> dict:
+    """Each series' tokens/s over the Baseline's at the same rate, where both were measured."""
+    base = next((v for k, v in sweep["series"].items() if k.startswith("Baseline (")), None)
+    if base is None:
+        return {}
+    return {name: {r: round(v["tokens_per_s"] / base["capped"][r]["tokens_per_s"], 2)
+                   for r, v in series["capped"].items() if r in base["capped"]}
+            for name, series in sweep["series"].items()}
+
+
 def plot_sweep(sweep: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    speedups = sweep_speedups(sweep)
+    fig, axes = plt.subplots(1, 2 if speedups else 1, figsize=(12.5 if speedups else 7.5, 4.8), squeeze=False)
+    ax = axes[0][0]
     for k, (name, series) in enumerate(sweep["series"].items()):
         color = f"C{k}"
         pts = sorted((float(r), v["tokens_per_s"]) for r, v in series["capped"].items())
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
         if series.get("compute_only"):
             ax.axhline(series["compute_only"]["tokens_per_s"], color=color, ls=":", lw=1)
-    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(sweep["rates_mbit"], [f"{r:g}" for r in sweep["rates_mbit"]])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlabel("link rate, Mbit/s (each direction, every link)")
     ax.set_ylabel("tokens/s (measured, all replicas)")
-    ax.set_title(f"Throughput vs link rate, {sweep['model']}, PP=2 x DP=2 (dotted: compute-only)")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"Throughput vs link rate (dotted: compute-only)", fontsize=10)
     ax.legend(fontsize=8)
+    if speedups:
+        bx = axes[0][1]
+        for k, (name, sp) in enumerate(speedups.items()):
+            pts = sorted((float(r), v) for r, v in sp.items())
+            bx.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{k}", label=name)
+        bx.set_ylabel("speed-up over the Baseline at the same rate")
+        bx.set_title("Speed-up vs link rate", fontsize=10)
+    for a in axes[0]:
+        a.set_xscale("log")
+        a.set_xticks(sweep["rates_mbit"], [f"{r:g}" for r in sweep["rates_mbit"]])
+        a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        a.set_xlabel("link rate, Mbit/s (each direction, every link)")
+        a.grid(True, which="both", alpha=0.3)
+        if sweep.get("paper_equivalent_mbit"):
+            a.axvline(sweep["paper_equivalent_mbit"], color="grey", ls="--", lw=1)
+            a.annotate("paper-equivalent", (sweep["paper_equivalent_mbit"], 1), xycoords=("data", "axes fraction"),
+                       xytext=(3, -12), textcoords="offset points", fontsize=8, color="grey")
+    fig.suptitle(f"{sweep['model']}, PP=2 x DP=2, measured on emulated links", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_sweep_markdown(sweep: dict, path: str) -> None:
+    """The sweep as a table: tokens/s at each rate (speed-up over the Baseline in brackets)."""
+    from benchnotes import write_section
+    rates = [f"{r:g}" for r in sweep["rates_mbit"]]
+    sp = sweep.get("speedup") or {}
+    lines = [f"Model {sweep['model']}, mesh {sweep['mesh']}, sequence length {sweep['seq_len']}. Command: "
+             f"`{sweep['command']}`" + (f"; compute-only runs and the {sweep['paper_equivalent_mbit']:g} Mbit/s "
+                                         f"(paper-equivalent) points from `{sweep['from_table']}`"
+                                         if sweep.get("from_table") else ""), "",
+             "| variant | compute-only | " + " | ".join(f"{r} Mbit/s" for r in rates) + " |",
+             "|---|---|" + "---|" * len(rates)]
+    for name, series in sweep["series"].items():
+        co = series.get("compute_only")
+        cells = []
+        for r in rates:
+            v = series["capped"].get(r)
+            x = sp.get(name, {}).get(r)
+            cells.append("-" if v is None else f"{v['tokens_per_s']:,.1f}" + (f" ({x:g}x)" if x is not None else ""))
+        lines.append(f"| {name} | {co['tokens_per_s']:,.1f} | " if co else f"| {name} | - | ")
+        lines[-1] += " | ".join(cells) + " |"
+    lines += ["", "Tokens/s measured on the capped links (all replicas); in brackets the speed-up over the "
+              "Baseline at the same rate. Plot: [table1_sweep.png](table1_sweep.png)."]
+    write_section(path, "<!-- table: written by launch/bench_table1.py --sweep -->", "<!-- end of table -->",
+                  lines, "Table 1: throughput vs link rate")
 
 
 def write_markdown(res: dict, path: str) -> None:
@@ -286,6 +339,9 @@ def main():
                    help="comma-separated row indices to add to the table already in --out, at its link rate "
                         "and settings (a long table in parts; the Baseline it holds stays the reference)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the uncapped runs")
+    p.add_argument("--from-table", default=None,
+                   help="sweep: a stored table1.json run with the same settings; rows it holds take their "
+                        "compute-only run and their point at its link rate from it (added to the rates)")
     p.add_argument("--out", default=OUT, help="folder for table1.json / .md (sweep: table1_sweep.json / .png)")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -297,19 +353,20 @@ def main():
     if args.sweep:
         rates = [float(x) for x in args.sweep.split(",")]
         idx = [int(i) for i in args.rows.split(",")] if args.rows else list(SWEEP_ROWS)
+        table = stored_table(args.from_table, args, "--from-table") if args.from_table else None
+        if table:
+            rates = sorted({*rates, table["link_mbit"]})
         sweep = {"benchmark": "table1_sweep", "model": args.model, "mesh": "pp=2 x dp=2", "rates_mbit": rates,
-                 "series": {}, "command": command}
+                 "seq_len": args.seq_len, "series": {}, "command": command,
+                 "from_table": args.from_table, "paper_equivalent_mbit": (table or {}).get("paper_equivalent_mbit")}
         for i in idx:
-            row = ROWS[i]
-            series = {"config": f"ds_configs/{row[1]}", "capped": {}}
-            if not args.no_compute_only:
-                series["compute_only"] = measure(row, args, work, 0, "uncapped")
-            for r in rates:
-                series["capped"][f"{r:g}"] = measure(row, args, work, r, f"{r:g}mbit")
-            sweep["series"][row[0]] = series
+            sweep["series"][ROWS[i][0]] = sweep_series(ROWS[i], args, work, rates, table)
             json.dump(sweep, open(os.path.join(args.out, "table1_sweep.json"), "w"), indent=2)
+        sweep["speedup"] = sweep_speedups(sweep)
+        json.dump(sweep, open(os.path.join(args.out, "table1_sweep.json"), "w"), indent=2)
         plot_sweep(sweep, os.path.join(args.out, "table1_sweep.png"))
-        print(f"wrote {args.out}/table1_sweep.json and table1_sweep.png")
+        write_sweep_markdown(sweep, os.path.join(args.out, "table1_sweep.md"))
+        print(f"wrote {args.out}/table1_sweep.json, .md and .png")
         return
     if args.add_rows:
         if args.paper_equivalent or args.rows:
@@ -359,11 +416,9 @@ def relative_to_baseline(rows: list[dict]) -> None:
         r["bytes_reduction"] = round(rows[0]["bytes_per_token"] / r["bytes_per_token"], 1) if base else None
 
 
-def add_rows(args, work, command) -> None:
-    """Rows added to a stored table at its link rate, with the settings its rows were run with."""
-    path = os.path.join(args.out, "table1.json")
-    if not os.path.exists(path):
-        sys.exit(f"error: --add-rows: no table to add to at {path} (run the table first)")
+def stored_table(path: str, args, flag: str) -> dict:
+    """The table at ``path``, checked to have been run with this run's model, sequence length and
+    micro-batches (rows measured with other settings are not comparable)."""
     res = json.load(open(path))
     first = res["rows"][0]
     stored = {"--model": res["model"], "--seq-len": res["seq_len"], "--micro-batches": first["micro_batches"]}
@@ -371,8 +426,39 @@ def add_rows(args, work, command) -> None:
              "--micro-batches": args.micro_batches or first["micro_batches"]}
     for key in stored:
         if stored[key] != given[key]:
-            sys.exit(f"error: --add-rows: {path} was run with {key} {stored[key]}, this run has {given[key]}: "
+            sys.exit(f"error: {flag}: {path} was run with {key} {stored[key]}, this run has {given[key]}: "
                      "give the same settings")
+    return res
+
+
+def sweep_series(row, args, work, rates, table: dict | None) -> dict:
+    """One row of the sweep: tokens/s at each rate, and compute-only. With ``table`` (a stored
+    table of the same settings holding this row), its compute-only run and its point at the
+    table's rate are taken from there instead of being measured again."""
+    name, config = row[0], row[1]
+    series = {"config": f"ds_configs/{config}", "capped": {}}
+    stored = next((r for r in (table or {}).get("rows", []) if r["variant"] == name), None)
+    if stored is not None:
+        series["from_table"] = True
+        if stored.get("tokens_per_s_compute_only"):
+            series["compute_only"] = {"tokens_per_s": stored["tokens_per_s_compute_only"],
+                                      "command": stored["command_compute_only"]}
+        series["capped"][f"{table['link_mbit']:g}"] = {k: stored[k] for k in (
+            "tokens_per_s", "step_s", "steps", "bytes_per_token", "link_bytes_per_step", "command")}
+    if not args.no_compute_only and "compute_only" not in series:
+        series["compute_only"] = measure(row, args, work, 0, "uncapped")
+    for r in rates:
+        if f"{r:g}" not in series["capped"]:
+            series["capped"][f"{r:g}"] = measure(row, args, work, r, f"{r:g}mbit")
+    return series
+
+
+def add_rows(args, work, command) -> None:
+    """Rows added to a stored table at its link rate, with the settings its rows were run with."""
+    path = os.path.join(args.out, "table1.json")
+    if not os.path.exists(path):
+        sys.exit(f"error: --add-rows: no table to add to at {path} (run the table first)")
+    res = stored_table(path, args, "--add-rows")
     names = [r[0] for r in ROWS]
     mbit, uncapped = res["link_mbit"], {}
     res["commands_added"] = [*res.get("commands_added", []), command]

@@ -211,3 +211,51 @@ def test_table1_rows_added_to_a_stored_table(tmp_path, monkeypatch):
     assert "rows added by `python launch/bench_table1.py --add-rows 5,2`" in (tmp_path / "table1.md").read_text()
     with pytest.raises(SystemExit, match="--seq-len 64, this run has 128"):
         t1.add_rows(argparse.Namespace(**{**vars(args), "seq_len": 128}), str(tmp_path), "x")
+
+
+def test_table1_sweep_reuses_a_stored_table(tmp_path, monkeypatch):
+    """``--sweep R1,R2 --from-table T``: rows T holds take their compute-only run and their point
+    at T's rate from it (nothing re-measured there); speed-ups are over the Baseline at the same
+    rate; the JSON, the note and the plot are written; other settings than T's are refused."""
+    import argparse
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    calls = []
+
+    def fake_measure(row, args, work, mbit, tag):
+        calls.append((row[0], mbit))
+        tps = 100.0 if mbit == 0 else (mbit if row[0].startswith("Baseline (") else 80.0)
+        return {"tokens_per_s": tps, "step_s": 1.0, "steps": 2, "bytes_per_token": 5.0,
+                "link_bytes_per_step": 9, "command": f"c{mbit}"}
+    monkeypatch.setattr(t1, "measure", fake_measure)
+
+    def stored_row(i, tps, co):
+        return {"variant": t1.ROWS[i][0], "tokens_per_s": tps, "tokens_per_s_compute_only": co,
+                "command_compute_only": "co", "step_s": 2.0, "steps": 2, "bytes_per_token": 7.0,
+                "link_bytes_per_step": 11, "command": "stored", "micro_batches": 2}
+    table = {"model": "m", "seq_len": 64, "link_mbit": 7.5, "paper_equivalent_mbit": 7.5,
+             "rows": [stored_row(0, 1.5, 50.0), stored_row(8, 60.0, 70.0)]}
+    (tmp_path / "table1.json").write_text(json.dumps(table))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--sweep", "15,30", "--rows", "0,6,8", "--model", "m",
+                                      "--seq-len", "64", "--from-table", str(tmp_path / "table1.json"),
+                                      "--out", str(out)])
+    monkeypatch.setattr(t1.os, "geteuid", lambda: 0)
+    t1.main()
+    sweep = json.load(open(out / "table1_sweep.json"))
+    base, m95, low = (t1.ROWS[i][0] for i in (0, 6, 8))
+    assert sweep["rates_mbit"] == [7.5, 15.0, 30.0]
+    # stored rows: only the new rates measured; M95 (not in the table): compute-only and all three
+    assert sorted(calls) == sorted([(base, 15.0), (base, 30.0), (low, 15.0), (low, 30.0),
+                                    (m95, 0), (m95, 7.5), (m95, 15.0), (m95, 30.0)])
+    assert sweep["series"][low]["compute_only"]["tokens_per_s"] == 70.0
+    assert sweep["series"][low]["capped"]["7.5"]["tokens_per_s"] == 60.0
+    assert sweep["series"][m95]["compute_only"]["tokens_per_s"] == 100.0
+    assert sweep["speedup"][low] == {"7.5": 40.0, "15": 5.33, "30": 2.67}
+    assert sweep["speedup"][base] == {"7.5": 1.0, "15": 1.0, "30": 1.0}
+    md = (out / "table1_sweep.md").read_text()
+    assert f"| {low} | 70.0 | 60.0 (40x) | 80.0 (5.33x) | 80.0 (2.67x) |" in md
+    assert (out / "table1_sweep.png").stat().st_size > 10_000
+    monkeypatch.setattr(sys, "argv", [*sys.argv[:-2], "--seq-len", "128", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--from-table: .* --seq-len 64, this run has 128"):
+        t1.main()
