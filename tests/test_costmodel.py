@@ -259,3 +259,20 @@ def test_table1_sweep_reuses_a_stored_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [*sys.argv[:-2], "--seq-len", "128", "--out", str(out)])
     with pytest.raises(SystemExit, match="--from-table: .* --seq-len 64, this run has 128"):
         t1.main()
+
+
+def test_table1_quality_columns_follow_the_quality_benchmarks():
+    """A stored row's held-out loss is re-read from the quality benchmark it names (the mean over
+    the seeds there now), so a seed added since does not leave the table stale."""
+    import statistics
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    res = {"model": "smollm2-135m", "rows": [{"variant": t1.ROWS[6][0], "heldout_loss": 9.0,
+                                              "quality_from": "stale"}, {"variant": "not a row"}]}
+    t1.refresh_quality(res)
+    rows = json.load(open(os.path.join(ROOT, "docs", "benchmarks", "quality_120.json")))["rows"]
+    m95 = [r["heldout_loss"] for r in rows if r["variant"] == "m95"]
+    assert res["rows"][0]["heldout_loss"] == round(statistics.fmean(m95), 4)
+    assert res["rows"][0]["quality_from"] == (f"docs/benchmarks/quality_120.json (m95, {len(m95)} seeds, "
+                                              f"{rows[0]['tokens']:,} tokens)")
+    assert "heldout_loss" not in res["rows"][1]
