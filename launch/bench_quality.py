@@ -57,6 +57,15 @@ VARIANTS = {
     # steps stale, paired with the fast step's own coded gradient (anchor.correction = delayed_ef)
     "lowrank_def": dict(mode="lowrank", p=0.0, codec=LOWRANK, correction="delayed_ef", every=5, lam=1.0, beta=0.5),
     "m95_def": dict(mode="random", p=0.95, correction="delayed_ef", every=5, lam=1.0, beta=0.5),
+    # the paper's spectral correction (ds_configs/m95_ap.json's defaults: alpha 0.3, tau 1e-3 absolute,
+    # EMA 0.95, anchor gradients K = 5 steps stale) on top of the recommended codec, whose coded gradient
+    # does correlate with the dense one (the paper's premise, which zero fill breaks)
+    "lowrank_n224_g_spectral": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]],
+                                                                       coef_norm="sqrt_std", refresh_steps=[0, 2, 8, 32]),
+                                    correction="spectral", every=5, alpha=0.3, tau=1e-3, beta=0.95),
+    # the `clean` control on the recommended codec: every 10th step's boundary dense (counted)
+    "lowrank_n224_g_clean10": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
+                                                                      refresh_steps=[0, 2, 8, 32]), clean_every=10),
 }
 
 
@@ -113,6 +122,12 @@ def run_variant(name, args):
         from ds_twocircuit.models.layers import hf_decoder_matrices
         targets = hf_decoder_matrices(model)
         opt = DelayedErrorFeedback(opt, targets, every=K, lam=v["lam"], beta=v["beta"], seed=args.seed)
+    elif v.get("correction") == "spectral":
+        from ds_twocircuit.anchor.spectral import SpectralCorrection
+        from ds_twocircuit.models.layers import hf_decoder_matrices
+        targets = hf_decoder_matrices(model)
+        opt = SpectralCorrection(opt, targets, alpha=v["alpha"], tau=v["tau"], beta=v["beta"], seed=args.seed,
+                                 diagnostics=False)
     pending = {}  # snapshot step -> the anchor's dense gradient (delivered K steps later)
     H = model.config.hidden_size
     log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed,
