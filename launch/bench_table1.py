@@ -244,7 +244,7 @@ def plot_sweep(sweep: dict, path: str) -> None:
             ax.axhline(series["compute_only"]["tokens_per_s"], color=color, ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (measured, all replicas)")
-    ax.set_title(f"Throughput vs link rate (dotted: compute-only)", fontsize=10)
+    ax.set_title("Throughput vs link rate (dotted: compute-only)", fontsize=10)
     ax.legend(fontsize=8)
     if speedups:
         bx = axes[0][1]
@@ -351,6 +351,10 @@ def main():
     work = os.path.join(ROOT, "runs", "table1")
     os.makedirs(work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
+    if args.from_table and not args.sweep:
+        sys.exit("error: --from-table only applies to --sweep")
+    if args.from_table and not os.path.exists(args.from_table):
+        sys.exit(f"error: --from-table: no table at {args.from_table} (run the table first, or leave the flag out)")
     if args.sweep:
         rates = [float(x) for x in args.sweep.split(",")]
         idx = [int(i) for i in args.rows.split(",")] if args.rows else list(SWEEP_ROWS)

@@ -259,6 +259,12 @@ def test_table1_sweep_reuses_a_stored_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [*sys.argv[:-2], "--seq-len", "128", "--out", str(out)])
     with pytest.raises(SystemExit, match="--from-table: .* --seq-len 64, this run has 128"):
         t1.main()
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--sweep", "15", "--from-table", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="--from-table: no table at"):
+        t1.main()
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--from-table", str(tmp_path / "table1.json")])
+    with pytest.raises(SystemExit, match="--from-table only applies to --sweep"):
+        t1.main()
 
 
 def test_table1_quality_columns_follow_the_quality_benchmarks():

@@ -88,11 +88,11 @@ class DPCompressionCallback(TrainerCallback):
         self.trainer, self.dp = trainer, dp
         if csv_path == "auto":
             csv_path = os.path.join(trainer.args.output_dir, "dp_metrics.csv")
-        self.csv_path = csv_path if _world_rank() == 0 else None
+        self.csv_path = csv_path
         self._csv_started = False
 
     def _write_csv(self, step: int, metrics: dict) -> None:
-        if self.csv_path is None:
+        if self.csv_path is None or _world_rank() != 0:   # asked when writing: the group exists by then
             return
         os.makedirs(os.path.dirname(os.path.abspath(self.csv_path)), exist_ok=True)
         with open(self.csv_path, "w" if not self._csv_started else "a", newline="") as f:
