@@ -16,7 +16,6 @@ the loop and the integration never rely on it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ds_twocircuit.adapters.accelerate import dp_metrics, enable_dp_compression, finalize_dp
+from ds_twocircuit.adapters.accelerate import dp_metrics, enable_dp_compression, finalize_dp, replicas_identical
 from ds_twocircuit.data import PackedSequences, load_documents, split_documents
 from ds_twocircuit.models.presets import resolve_model
 
@@ -77,11 +76,7 @@ def main(argv=None):
     if not args.stock:
         finalize_dp(accelerator)
     metrics = dp_metrics(accelerator)
-    digest = hashlib.sha256(b"".join(p_.detach().cpu().numpy().tobytes() for p_ in engine.module.parameters()))
-    digests = [None] * world
-    if world > 1:
-        dist.all_gather_object(digests, digest.hexdigest())
-    identical = len(set(digests)) == 1 if world > 1 else True
+    identical = replicas_identical(engine)
     if rank == 0:                                               # saved once, whatever Accelerate reports
         os.makedirs(args.output_dir, exist_ok=True)
         engine.module.save_pretrained(os.path.join(args.output_dir, "hf"))

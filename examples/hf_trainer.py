@@ -14,7 +14,6 @@ finishes the DP sync before the model is saved.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from ds_twocircuit.adapters.accelerate import DPCompressionCallback, dp_metrics
+from ds_twocircuit.adapters.accelerate import DPCompressionCallback, dp_metrics, replicas_identical
 from ds_twocircuit.data import PackedSequences, load_documents, split_documents
 from ds_twocircuit.models.presets import resolve_model
 
@@ -73,15 +72,12 @@ def main(argv=None):
     # summary.json, as examples/accelerate_loop.py writes it: the run's DP totals and whether every
     # replica ends with the same weights
     engine = trainer.model_wrapped
-    digest = hashlib.sha256(b"".join(p_.detach().cpu().numpy().tobytes() for p_ in engine.module.parameters()))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    digests = [digest.hexdigest()] * world
-    if world > 1:
-        dist.all_gather_object(digests, digest.hexdigest())
+    identical = replicas_identical(engine)
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-            json.dump({"steps": args.steps, "world_size": world, "backend": engine.dp_backend.backend_name,
-                       "replicas_identical": len(set(digests)) == 1, **dp_metrics(engine)}, f, indent=2)
+            json.dump({"steps": args.steps, "world_size": engine.dp_world_size,
+                       "backend": engine.dp_backend.backend_name, "replicas_identical": identical,
+                       **dp_metrics(engine)}, f, indent=2)
     trainer.accelerator.end_training()      # destroys the process group: gloo's threads must not outlive the interpreter
 
 

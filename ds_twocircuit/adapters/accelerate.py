@@ -64,6 +64,19 @@ def dp_metrics(accelerator_or_engine) -> dict:
     return totals.metrics() if totals is not None else {}
 
 
+def replicas_identical(accelerator_or_engine) -> bool:
+    """Whether every DP replica holds bitwise-identical weights (a digest per replica, as
+    launch/train.py checks; no weights cross the wire). Call it on every rank."""
+    from deepspeed.utils import groups
+    from .dist import group_agrees, weights_digest
+    engine = getattr(accelerator_or_engine, "deepspeed_engine_wrapped", None)
+    engine = engine.engine if engine is not None else accelerator_or_engine
+    if engine.dp_world_size == 1:
+        return True
+    return group_agrees(weights_digest(engine.module.named_parameters()), groups._get_data_parallel_group(),
+                        engine.dp_world_size)
+
+
 try:
     from transformers import TrainerCallback
 except ImportError:  # transformers is a dependency; keep the module importable regardless

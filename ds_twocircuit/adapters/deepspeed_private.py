@@ -53,7 +53,7 @@ USED = {
     (ENGINE, "seq_data_parallel_group"): "pipeline_engine: the DP group, before self.grid exists",
     (ENGINE, "dist_backend"): "pipeline_engine: no broadcast without a backend",
     (ENGINE, "_config"): "plain_engine: the twocircuit section of the engine's config",
-    ("deepspeed.utils.groups", "_get_data_parallel_group"): "plain_engine: the DP group",
+    ("deepspeed.utils.groups", "_get_data_parallel_group"): "plain_engine and accelerate.replicas_identical: the DP group",
     ("deepspeed.comm.torch", "build_shm_op"): "dist.prepare_runtime: skips a 1-minute JIT build on CPU",
     ("torch.distributed.distributed_c10d", "default_pg_timeout"): "dist.init_world: --peer-timeout "
                                                                    "for DeepSpeed's own groups",
