@@ -112,3 +112,18 @@ def test_pipeline_only_keys_refused_on_a_plain_engine(section, named):
     with pytest.raises(ConfigError) as e:
         attach_dp_backend(FakeEngine())
     assert named in str(e.value) and "launch/train.py" in str(e.value) and "twocircuit.dp" in str(e.value)
+
+
+def test_dp_metrics_keys_are_the_csv_columns():
+    """Every metric the totals report has a column in the Trainer callback's CSV (none dropped)."""
+    from ds_twocircuit.adapters.accelerate import CSV_COLUMNS
+    from ds_twocircuit.adapters.plain_engine import DPTotals
+
+    class Backend:
+        def replicas_in_sync(self):
+            return True
+    t = DPTotals(dense_bytes_per_step=100, world_size=2)
+    t.add({"bytes_sent": 10, "collectives": 1, "comm_s": 0.5}, Backend())
+    m = t.metrics()
+    assert set(m) == set(DPTotals.KEYS) <= set(CSV_COLUMNS)
+    assert m["dp/compression_ratio"] == 10.0 and m["dp/bytes_sent"] == 10 and m["dp/allreduce_bytes"] == 100

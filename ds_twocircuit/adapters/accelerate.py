@@ -18,12 +18,10 @@ from __future__ import annotations
 import csv
 import os
 
-from .plain_engine import attach_dp_backend
+from .plain_engine import DPTotals, attach_dp_backend
 
 # the columns of the callback's CSV log, in order (a metric absent from a log is an empty cell)
-CSV_COLUMNS = ("step", "dp/steps", "dp/bytes_sent", "dp/allreduce_bytes", "dp/compression_ratio",
-               "dp/collectives", "dp/comm_s", "dp/hidden_comm_s", "dp/replicas_in_sync", "dp/world_size",
-               "dp/final")
+CSV_COLUMNS = ("step", *DPTotals.KEYS, "dp/final")
 
 
 def _engine(accelerator):

@@ -95,6 +95,10 @@ def attach_dp_backend(engine, dp: dict | None = None):
 class DPTotals:
     """Running totals of a plain engine's DP sync (this rank), for logs and ``report_to``."""
 
+    # every key metrics() may return (dp/compression_ratio only once bytes were sent)
+    KEYS = ("dp/steps", "dp/bytes_sent", "dp/allreduce_bytes", "dp/compression_ratio", "dp/collectives",
+            "dp/comm_s", "dp/hidden_comm_s", "dp/replicas_in_sync", "dp/world_size")
+
     def __init__(self, dense_bytes_per_step: int, world_size: int):
         self.dense_bytes_per_step, self.world_size = dense_bytes_per_step, world_size
         self.steps = self.bytes_sent = self.collectives = 0
