@@ -63,6 +63,13 @@ VARIANTS = {
     "lowrank_n224_g_spectral": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]],
                                                                        coef_norm="sqrt_std", refresh_steps=[0, 2, 8, 32]),
                                     correction="spectral", every=5, alpha=0.3, tau=1e-3, beta=0.95),
+    # delayed_ef on the recommended codec with both sides of the pair on the same footing: the
+    # anchor's dense gradient clipped by the fast step's rule (global norm 1.0) before pairing, as
+    # the kept coded gradient was (lowrank_def paired a clipped coded gradient with an unclipped
+    # dense one)
+    "lowrank_n224_g_def": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
+                                                                  refresh_steps=[0, 2, 8, 32]),
+                               correction="delayed_ef", every=5, lam=1.0, beta=0.5, anchor_clip=1.0),
     # the `clean` control on the recommended codec: every 10th step's boundary dense (counted)
     "lowrank_n224_g_clean10": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
                                                                       refresh_steps=[0, 2, 8, 32]), clean_every=10),
@@ -153,6 +160,8 @@ def run_variant(name, args):
                 x = batch[m * args.micro_batch:(m + 1) * args.micro_batch]
                 (causal_lm_loss(model(input_ids=x).logits, x) / gas).backward()
             masker.enabled = True
+            if v.get("anchor_clip"):  # the fast step's clipping rule, so the pair is like for like
+                torch.nn.utils.clip_grad_norm_(params, v["anchor_clip"])
             pending[s] = {n: p.grad.detach().clone() for n, p in targets.items()}
             opt.zero_grad(set_to_none=True)
         if K and (s - K) in pending:

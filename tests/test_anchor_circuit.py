@@ -51,6 +51,29 @@ def test_anchor_updates_arrive_with_staleness_k(tmp_path):
     assert json.load(open(os.path.join(store, "anchor_summary.json")))["processed"] >= 3
 
 
+def test_delayed_ef_pairs_anchor_gradients_clipped_like_the_fast_step(tmp_path):
+    """delayed_ef subtracts the fast step's kept gradient, which DeepSpeed clipped, from the anchor's:
+    the anchor must clip its own by the same rule (global norm over both stages) before publishing."""
+    from ds_twocircuit.anchor.store import SnapshotStore
+    clip = 0.01  # far below the tiny model's gradient norm: an unclipped anchor gradient fails
+    path = _cfg(tmp_path, correction="delayed_ef")
+    cfg = json.load(open(path))
+    cfg["gradient_clipping"] = clip
+    open(path, "w").write(json.dumps(cfg))
+    out = str(tmp_path / "run")
+    p = torchrun(4, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--anchor-replicas", "1",
+                     "--steps", "16", "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
+    log = (p.stdout + p.stderr)[-5000:]
+    m = read_metrics(out)
+    assert m[-1]["delayed_ef.anchor_updates"] >= 2, log
+    assert m[-1]["delayed_ef.correction_ratio"] > 0.0
+    store = SnapshotStore(os.path.join(out, "anchor_store"))
+    got = [store.poll_anchor_gradients(stage) for stage in (0, 1)]
+    assert got[0] is not None and got[1] is not None and got[0].source_step == got[1].source_step, log
+    sq = sum(float(g.double().pow(2).sum()) for a in got for g in a.grads.values())
+    assert 0.0 < sq ** 0.5 <= clip * (1 + 1e-4), sq ** 0.5
+
+
 def _run_and_kill_anchor(tmp_path, out, cfg_path, world, fast_args, steps, after_updates, timeout=600):
     """Launch a fast + anchor run; SIGKILL both anchor ranks once the fast circuit has logged
     ``after_updates`` anchor updates. Returns (step killed at or None, return code, output)."""

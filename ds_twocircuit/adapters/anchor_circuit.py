@@ -317,6 +317,7 @@ def run_anchor(plan, world) -> int:
     import copy
     import dataclasses
     from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.utils import clip_grad_norm_
     from transformers import AutoTokenizer
 
     from ..data import MicroBatchStream, PackedSequences
@@ -345,6 +346,11 @@ def run_anchor(plan, world) -> int:
     engine.setup_twocircuit(atc, 0, backend)
     targets = decoder_matrices(engine.module)
     names = sorted(targets)
+    # delayed_ef pairs this gradient with the fast step's own, which DeepSpeed clipped before the
+    # optimizer saw it: clip this one by the same rule (DeepSpeed's clip_grad_norm_, the global norm
+    # over every stage of the replica), or the pair's difference carries the clipping (measured:
+    # docs/benchmarks/quality.md). The spectral filter keeps the paper's unclipped anchor gradients.
+    clip_like_fast = (engine.gradient_clipping() if tc.anchor.correction == "delayed_ef" else 0.0) or 0.0
     store = SnapshotStore(store_root(plan), keep=tc.anchor.keep)
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
     seqs = PackedSequences(plan.train_docs, tok, args.seq_len, seed=args.seed)
@@ -410,6 +416,8 @@ def run_anchor(plan, world) -> int:
             p.grad = None
         stream = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, z % plan.dp, start_step=step)
         loss = float(engine.train_batch(stream))
+        if clip_like_fast:  # all ranks: the norm is summed over the stages of a replica
+            clip_grad_norm_(parameters=engine.module.parameters(), max_norm=clip_like_fast, mpu=engine.mpu)
         if engine.grid.get_data_parallel_id() == 0:
             grads = {n: targets[n].grad.detach().clone() for n in names if targets[n].grad is not None}
             store.publish_anchor_gradients(stage, step, grads, batch_id={"run": run_of[tag], "step": step,

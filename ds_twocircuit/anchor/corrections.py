@@ -7,6 +7,10 @@ crosses a link). When the anchor's dense gradient of the same weights and batch 
 ``c = G_dense - G_comp`` is the compression's error on that batch; every later step uses
 ``G + lambda * EMA(c)``. Unlike the spectral filter, this adds the missing dense-gradient component
 instead of reweighting the compressed gradient. The wire bytes are the anchor's existing ones.
+Both sides of the pair must be on the same footing: the kept gradient is the one the optimizer saw
+(after DeepSpeed's gradient clipping), so the anchor clips its dense gradient by the same rule
+before publishing it (``adapters/anchor_circuit.run_anchor``); unclipped, the "error" carries the
+clipping and is replayed every step.
 
 Invariant: the correction only ever pairs gradients of the same weights and batch (a missing
 pairing -- the kept gradient was dropped, or the anchor sent a step that was not a snapshot step --
