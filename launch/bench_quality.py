@@ -216,8 +216,11 @@ def report(args):
     for r in rows:  # the newest run of each (variant, seed)
         latest[(r["variant"], r["seed"])] = r
     rows = list(latest.values())
-    dense = [r["heldout_loss"] for r in rows if r["variant"] == "dense"]
-    dense_mean = sum(dense) / len(dense) if dense else None
+    dense = {r["seed"]: r["heldout_loss"] for r in rows if r["variant"] == "dense"}
+
+    def dense_mean(seeds):  # dense training on the same seeds (all dense seeds if one is missing)
+        got = [dense[s] for s in seeds if s in dense] if all(s in dense for s in seeds) else list(dense.values())
+        return sum(got) / len(got) if got else None
     by_variant = {}
     for r in rows:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -229,7 +232,8 @@ def report(args):
             "variant": name, "seeds": sorted(r["seed"] for r in rs),
             "heldout_loss_mean": round(sum(hl) / len(hl), 4), "heldout_loss_spread": round(max(hl) - min(hl), 4),
             "heldout_loss_coded_mean": round(sum(hc) / len(hc), 4) if hc else None,
-            "vs_dense": round(sum(hl) / len(hl) / dense_mean, 4) if dense_mean else None,
+            "vs_dense": (round(sum(hl) / len(hl) / d, 4)
+                         if (d := dense_mean([r["seed"] for r in rs])) else None),
             "pp_bytes_ratio": rs[0]["pp_bytes_ratio"], "tokens": rs[0]["tokens"],
             "tokens_per_s": (round(sum(tps) / len(tps), 1)
                              if (tps := [r["tokens_per_s"] for r in rs if r.get("tokens_per_s")]) else None),
@@ -245,7 +249,9 @@ def report(args):
                        "stdlib corpus; dense and coded inference",
            "rows": [{"variant": r["variant"], "codec": r["settings"]["mode"],
                      "codec_settings": r["settings"].get("codec"), "mask_rate": r["settings"]["p"],
-                     "correction": r["settings"].get("correction", "none"),
+                     "correction": r["settings"].get("correction",
+                                                     f"clean every {r['settings']['clean_every']}"
+                                                     if r["settings"].get("clean_every") else "none"),
                      "heldout_loss": round(r["heldout_loss"], 4),
                      "heldout_loss_coded": None if r["heldout_loss_coded"] is None else round(r["heldout_loss_coded"], 4),
                      "heldout_loss_base": round(r["heldout_loss_base"], 4),
@@ -299,7 +305,7 @@ def _write_table(out, md_path):
 
     def tps(x):
         return "-" if x is None else f"{x:.0f}"
-    lines = ["", "| variant | seeds | held-out loss, dense inference (mean) | spread | vs dense | through the codec "
+    lines = ["", "| variant | seeds | held-out loss, dense inference (mean) | spread | vs dense (same seeds) | through the codec "
              "| PP bytes ratio | tokens | tokens/s (1 process) |", "|---|---|---|---|---|---|---|---|---|"]
     for s in out["summary"]:
         lines.append(f"| `{s['variant']}` | {','.join(map(str, s['seeds']))} | {fmt(s['heldout_loss_mean'])} "

@@ -75,5 +75,28 @@ def test_anchor_clip_pairs_a_clipped_dense_gradient(monkeypatch):
     assert len(norms) == 2 and min(norms) > 0.05                      # unclipped: far above it
 
 
+def test_report_compares_each_variant_with_dense_training_on_the_same_seeds(tmp_path):
+    import json
+
+    def row(variant, seed, loss, **settings):
+        return {"variant": variant, "seed": seed, "steps": 2, "tokens": 256, "heldout_loss": loss,
+                "heldout_loss_coded": None if variant == "dense" else loss + 0.1, "heldout_loss_base": 3.0,
+                "settings": {"mode": "dense" if variant == "dense" else "lowrank", "p": 0.0, **settings},
+                "pp_bytes_ratio": 1.0 if variant == "dense" else 20.0, "pp_bytes": 1, "pp_codec_state_bytes": 0,
+                "tokens_per_s": 10.0, "heldout": [{"step": 0, "dense": 3.0, "coded": 4.0}, {"step": 2, "dense": loss, "coded": loss + 0.1}],
+                "command": "x"}
+    results = tmp_path / "q.jsonl"
+    rows = [row("dense", 0, 2.0), row("dense", 1, 3.0), row("a", 0, 2.2), row("a", 1, 3.3),
+            row("b", 1, 3.3, clean_every=10), row("b", 1, 3.6, clean_every=10)]  # the newest of a seed counts
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bq.report(types.SimpleNamespace(results=str(results), model="tiny"))
+    out = json.loads((tmp_path / "q.json").read_text())
+    vs = {s["variant"]: s["vs_dense"] for s in out["summary"]}
+    assert vs["a"] == pytest.approx(1.1) and vs["b"] == pytest.approx(1.2)  # b: seed 1 only, 3.6 / 3.0
+    assert out["recommended"] == "a"                                        # the only one with 2 seeds
+    assert {r["correction"] for r in out["rows"] if r["variant"] == "b"} == {"clean every 10"}
+    assert "| `b` | 1 | 3.600 |" in (tmp_path / "q.md").read_text()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
