@@ -219,7 +219,7 @@ def report(args):
     dense = {r["seed"]: r["heldout_loss"] for r in rows if r["variant"] == "dense"}
 
     def dense_mean(seeds):  # dense training on the same seeds (all dense seeds if one is missing)
-        got = [dense[s] for s in seeds if s in dense] if all(s in dense for s in seeds) else list(dense.values())
+        got = [dense[s] for s in seeds] if all(s in dense for s in seeds) else list(dense.values())
         return sum(got) / len(got) if got else None
     by_variant = {}
     for r in rows:
