@@ -10,6 +10,15 @@ calibration batches, held-out sequences and gradient batch for every codec.
     python launch/screen_quality.py                                   # the default list
     python launch/screen_quality.py --codecs 'lowrank:16x8+184x4,random:0.95,meanfill:0.95'
     python launch/screen_quality.py --out docs/benchmarks/screen.json
+    python launch/screen_quality.py --codecs lowrank:224x4/sqrt_std --paired 1,4
+
+``--paired N,M``: also screens the premise of delayed error feedback (``anchor.correction =
+delayed_ef``) on each codec: the error ``c = G_dense - G_codec`` measured on N (then M) batches
+other than the target ones, averaged (the correction's EMA keeps their systematic part), is added
+to the target batches' codec gradient, ``cos(G_codec + lambda * c, G_dense)`` for each
+``--paired-lambdas`` value (lambda 0 = the codec alone), every gradient first clipped to
+``--paired-clip`` global norm over the decoder matrices (the pair on the same footing, as
+``run_anchor`` clips the anchor's). A correction that helps raises the cosine above lambda 0.
 
 Codec specs: ``dense``, ``random:P``, ``meanfill:P``, ``lowrank:NxB+NxB...`` (N coefficients at B
 bits, leading principal directions first), optionally ``/sqrt_std`` (``codec.coef_norm``), e.g.
@@ -54,6 +63,37 @@ def parse_spec(spec: str) -> dict:
                      "lowrank:NxB+...[/COEF_NORM]")
 
 
+def clip_global(g: dict, max_norm: float) -> dict:
+    """``g`` scaled to global 2-norm ``max_norm`` if above it (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    import torch
+    if not max_norm > 0:
+        return g
+    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in g.values())))
+    f = max_norm / (norm + 1e-6)
+    return {n: t * f for n, t in g.items()} if f < 1.0 else g
+
+
+def paired_cosines(pairs, targets, lambdas, clip: float = 0.0) -> dict:
+    """Delayed error feedback's premise: per lambda and matrix, the mean over ``targets`` of
+    ``cos(G + lambda * mean_k(D_k - G_k), D)``.
+
+    ``pairs``: (G_codec, G_dense) gradient dicts of the batches the error is measured on;
+    ``targets``: (G_codec, G_dense) of other batches, the ones the error is replayed on. Every
+    gradient is clipped to ``clip`` global norm first (0: unclipped).
+    """
+    import torch
+    pairs = [(clip_global(g, clip), clip_global(d, clip)) for g, d in pairs]
+    targets = [(clip_global(g, clip), clip_global(d, clip)) for g, d in targets]
+    names = list(targets[0][0])
+    corr = {n: sum(d[n] - g[n] for g, d in pairs) / len(pairs) for n in names}
+    out = {}
+    for lam in lambdas:
+        out[lam] = {n: sum(float(torch.nn.functional.cosine_similarity(
+            (g[n] + lam * corr[n]).flatten(), d[n].flatten(), dim=0)) for g, d in targets) / len(targets)
+            for n in names}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codecs", default=DEFAULT)
@@ -65,7 +105,19 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--paired", default="", help="screen delayed_ef: error averaged over N,M... pair batches")
+    ap.add_argument("--paired-lambdas", default="0.25,0.5,1")
+    ap.add_argument("--paired-clip", type=float, default=1.0, help="global norm clip of every gradient (0: none)")
+    ap.add_argument("--paired-targets", type=int, default=3, help="target batches the error is replayed on")
     args = ap.parse_args()
+    try:
+        paired = [int(v) for v in args.paired.split(",") if v.strip()]
+        lambdas = [0.0] + [float(v) for v in args.paired_lambdas.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit("--paired expects batch counts (e.g. 1,4) and --paired-lambdas numbers "
+                         "(e.g. 0.25,0.5,1)") from None
+    if any(n < 1 for n in paired) or args.paired_targets < 1:
+        raise SystemExit("--paired counts and --paired-targets must be >= 1")
     specs = [(s, parse_spec(s)) for s in args.codecs.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
@@ -88,15 +140,20 @@ def main():
     mats = hf_decoder_matrices(model)
     mb = 8
 
-    def grads(masker):
+    def grads(masker, at=10_000, message=0):
         model.zero_grad(set_to_none=True)
-        x = seqs.batch(10_000, args.grad_sequences)  # a batch apart from the calibration ones
+        x = seqs.batch(at, args.grad_sequences)  # a batch apart from the calibration ones
         if masker is not None:
-            masker.set_message(1, 0)
+            masker.set_message(1, message)
         causal_lm_loss(model(input_ids=x).logits, x).backward()
         return {n: p.grad.detach().clone() for n, p in mats.items()}
 
     dense_g = grads(None)
+    # delayed_ef screening: target batches, then pair batches, all apart from the above
+    tgt_at = [20_000 + 1_000 * i for i in range(args.paired_targets)] if paired else []
+    pair_at = [40_000 + 1_000 * i for i in range(max(paired, default=0))]
+    dense_extra = {at: grads(None, at) for at in tqdm(tgt_at + pair_at, desc="dense gradients (paired)",
+                                                       unit="batch", disable=not paired)}
     rows = []
     for spec, v in tqdm(specs, desc="codecs", unit="codec"):
         t0 = time.time()
@@ -120,16 +177,43 @@ def main():
             idx = int(n.split("layers.")[1].split(".")[0])
             c = float(torch.nn.functional.cosine_similarity(g[n].flatten(), dense_g[n].flatten(), dim=0))
             cos["below" if idx < layer else "above"].append(c)
+        row_paired = []
+        if paired and v["mode"] != "dense":
+            coded = {at: grads(masker, at, k + 1) for k, at in enumerate(tgt_at + pair_at)}
+            targets = [(coded[at], dense_extra[at]) for at in tgt_at]
+            for n_pairs in paired:
+                pcs = paired_cosines([(coded[at], dense_extra[at]) for at in pair_at[:n_pairs]], targets,
+                                     lambdas, clip=args.paired_clip)
+                for lam, per in pcs.items():
+                    split = {"below": [], "above": []}
+                    for n, c in per.items():
+                        split["below" if int(n.split("layers.")[1].split(".")[0]) < layer else "above"].append(c)
+                    row_paired.append({"pairs": n_pairs, "lambda": lam,
+                                       "cos_below": round(sum(split["below"]) / max(1, len(split["below"])), 4),
+                                       "cos_above": round(sum(split["above"]) / max(1, len(split["above"])), 4)})
         masker.remove()
         rows.append({"codec": spec, "heldout_loss": round(sum(losses) / len(losses), 4),
                      "cos_below": round(sum(cos["below"]) / max(1, len(cos["below"])), 4),
                      "cos_above": round(sum(cos["above"]) / max(1, len(cos["above"])), 4),
                      "seconds": round(time.time() - t0, 1)})
+        if row_paired:
+            rows[-1]["paired"] = row_paired
         tqdm.write(json.dumps(rows[-1]))
     print("\n| codec | held-out loss (base model, through the codec) | cos(G, G_dense) below / above |")
     print("|---|---|---|")
     for r in rows:
         print(f"| `{r['codec']}` | {r['heldout_loss']:.3f} | {r['cos_below']:+.3f} / {r['cos_above']:+.3f} |")
+    if any("paired" in r for r in rows):
+        print(f"\ndelayed_ef premise: cos(G + lambda * c, G_dense) below / above, on {args.paired_targets} "
+              f"target batches, c averaged over N pair batches, clip {args.paired_clip}")
+        print("| codec | pair batches | " + " | ".join(f"lambda {lam:g}" for lam in lambdas) + " |")
+        print("|---|---|" + "---|" * len(lambdas))
+        for r in rows:
+            for n_pairs in paired:
+                cells = [p for p in r.get("paired", []) if p["pairs"] == n_pairs]
+                if cells:
+                    print(f"| `{r['codec']}` | {n_pairs} | " + " | ".join(
+                        f"{p['cos_below']:+.3f} / {p['cos_above']:+.3f}" for p in cells) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "screen_quality", "command": "python launch/screen_quality.py "

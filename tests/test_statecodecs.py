@@ -230,15 +230,62 @@ def test_codec_config_errors_name_the_key(section, needle):
     assert needle in str(e.value)
 
 
-def test_screen_spec_reads_the_coefficient_norm():
+def _screen_module():
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "screen_quality.py")
     spec = importlib.util.spec_from_file_location("screen_quality", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_screen_spec_reads_the_coefficient_norm():
+    mod = _screen_module()
     v = mod.parse_spec("lowrank:224x4/sqrt_std")
     assert v["codec"].groups == [[224, 4]] and v["codec"].coef_norm == "sqrt_std"
     assert mod.parse_spec("lowrank:16x8+184x4")["codec"].coef_norm == "none"
     with pytest.raises(ConfigError, match="coef_norm"):
         mod.parse_spec("lowrank:224x4/std")
+
+
+def test_screen_paired_cosines_recover_a_systematic_error_and_not_a_batch_specific_one():
+    mod = _screen_module()
+    gen = torch.Generator().manual_seed(0)
+    bias = {"a": torch.randn(6, 5, generator=gen), "b": torch.randn(4, 3, generator=gen)}
+
+    def batch():
+        d = {n: torch.randn(t.shape, generator=gen) for n, t in bias.items()}
+        return d
+
+    dense = [batch() for _ in range(5)]
+    # a purely systematic codec error: G = D - bias on every batch; replaying it restores D exactly
+    sysg = [{n: d[n] - bias[n] for n in d} for d in dense]
+    out = mod.paired_cosines(list(zip(sysg[:2], dense[:2])), list(zip(sysg[2:], dense[2:])), [0.0, 0.5, 1.0])
+    for n in bias:
+        assert out[1.0][n] == pytest.approx(1.0, abs=1e-6)
+        assert out[0.0][n] < out[0.5][n] < out[1.0][n]
+    # a purely batch-specific error: the error of other batches is noise on the target
+    noisy = [{n: d[n] + torch.randn(d[n].shape, generator=gen) * 3 for n in d} for d in dense]
+    out = mod.paired_cosines(list(zip(noisy[:2], dense[:2])), list(zip(noisy[2:], dense[2:])), [0.0, 1.0])
+    assert sum(out[1.0].values()) < sum(out[0.0].values())
+    # the same by hand for one target and lambda 1
+    c = {n: dense[0][n] - noisy[0][n] for n in bias}
+    want = float(torch.nn.functional.cosine_similarity((noisy[2]["a"] + c["a"]).flatten(), dense[2]["a"].flatten(),
+                                                       dim=0))
+    got = mod.paired_cosines([(noisy[0], dense[0])], [(noisy[2], dense[2])], [1.0])[1.0]["a"]
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_screen_clip_global_is_torchs_rule():
+    mod = _screen_module()
+    g = {"a": torch.full((3, 4), 2.0), "b": torch.full((2,), -1.0)}
+    norm = float(torch.sqrt(sum((t ** 2).sum() for t in g.values())))  # sqrt(48 + 2)
+    clipped = mod.clip_global(g, 1.0)
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in g.values()]
+    for p, t in zip(params, g.values()):
+        p.grad = t.clone()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for p, t in zip(params, clipped.values()):
+        assert torch.allclose(p.grad, t, rtol=1e-5)
+    assert mod.clip_global(g, 0.0) is g and mod.clip_global(g, norm * 2) is g
