@@ -70,6 +70,12 @@ VARIANTS = {
     "lowrank_n224_g_def": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
                                                                   refresh_steps=[0, 2, 8, 32]),
                                correction="delayed_ef", every=5, lam=1.0, beta=0.5, anchor_clip=1.0),
+    # the same with the setting the paired screening favours (docs/benchmarks/screen_delayed_ef.json:
+    # one batch's error replayed at lambda 1 lowers cos(G, G_dense); averaged over ~4 pairs at
+    # lambda 0.5 it raises it slightly): lambda 0.5, EMA 0.75 (about 4 snapshot pairs)
+    "lowrank_n224_g_def_slow": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
+                                                                       refresh_steps=[0, 2, 8, 32]),
+                                    correction="delayed_ef", every=5, lam=0.5, beta=0.75, anchor_clip=1.0),
     # the `clean` control on the recommended codec: every 10th step's boundary dense (counted)
     "lowrank_n224_g_clean10": dict(mode="lowrank", p=0.0, codec=dict(LOWRANK, groups=[[224, 4]], coef_norm="sqrt_std",
                                                                       refresh_steps=[0, 2, 8, 32]), clean_every=10),
