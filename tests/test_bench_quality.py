@@ -96,6 +96,11 @@ def test_report_compares_each_variant_with_dense_training_on_the_same_seeds(tmp_
     assert out["recommended"] == "a"                                        # the only one with 2 seeds
     assert {r["correction"] for r in out["rows"] if r["variant"] == "b"} == {"clean every 10"}
     assert "| `b` | 1 | 3.600 |" in (tmp_path / "q.md").read_text()
+    # the table rounds the exact mean once: 2.39648 prints 2.396 (rounded to 4 first it printed 2.397)
+    results.write_text(json.dumps(row("dense", 0, 2.3)) + "\n" + json.dumps(row("c", 0, 2.39648)) + "\n")
+    bq.report(types.SimpleNamespace(results=str(results), model="tiny"))
+    assert "| `c` | 0 | 2.396 |" in (tmp_path / "q.md").read_text()
+    assert json.loads((tmp_path / "q.json").read_text())["summary"][1]["heldout_loss_mean"] == 2.3965
 
 
 if __name__ == "__main__":
