@@ -68,7 +68,7 @@ def clip_global(g: dict, max_norm: float) -> dict:
     import torch
     if not max_norm > 0:
         return g
-    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in g.values())))
+    norm = float(torch.nn.utils.get_total_norm(list(g.values())))
     f = max_norm / (norm + 1e-6)
     return {n: t * f for n, t in g.items()} if f < 1.0 else g
 
@@ -172,11 +172,13 @@ def main():
                 x = hseqs.batch(i, mb)
                 losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
         g = grads(masker)
-        cos = {"below": [], "above": []}
-        for n in mats:
-            idx = int(n.split("layers.")[1].split(".")[0])
-            c = float(torch.nn.functional.cosine_similarity(g[n].flatten(), dense_g[n].flatten(), dim=0))
-            cos["below" if idx < layer else "above"].append(c)
+        def below_above(per):  # mean cosine over the matrices below / above the boundary
+            side = {"below": [], "above": []}
+            for n, c in per.items():
+                side["below" if int(n.split("layers.")[1].split(".")[0]) < layer else "above"].append(c)
+            return {f"cos_{k}": round(sum(v) / max(1, len(v)), 4) for k, v in side.items()}
+        cos = below_above({n: float(torch.nn.functional.cosine_similarity(g[n].flatten(), dense_g[n].flatten(), dim=0))
+                           for n in mats})
         row_paired = []
         if paired and v["mode"] != "dense":
             coded = {at: grads(masker, at, k + 1) for k, at in enumerate(tgt_at + pair_at)}
@@ -184,17 +186,9 @@ def main():
             for n_pairs in paired:
                 pcs = paired_cosines([(coded[at], dense_extra[at]) for at in pair_at[:n_pairs]], targets,
                                      lambdas, clip=args.paired_clip)
-                for lam, per in pcs.items():
-                    split = {"below": [], "above": []}
-                    for n, c in per.items():
-                        split["below" if int(n.split("layers.")[1].split(".")[0]) < layer else "above"].append(c)
-                    row_paired.append({"pairs": n_pairs, "lambda": lam,
-                                       "cos_below": round(sum(split["below"]) / max(1, len(split["below"])), 4),
-                                       "cos_above": round(sum(split["above"]) / max(1, len(split["above"])), 4)})
+                row_paired += [{"pairs": n_pairs, "lambda": lam, **below_above(per)} for lam, per in pcs.items()]
         masker.remove()
-        rows.append({"codec": spec, "heldout_loss": round(sum(losses) / len(losses), 4),
-                     "cos_below": round(sum(cos["below"]) / max(1, len(cos["below"])), 4),
-                     "cos_above": round(sum(cos["above"]) / max(1, len(cos["above"])), 4),
+        rows.append({"codec": spec, "heldout_loss": round(sum(losses) / len(losses), 4), **cos,
                      "seconds": round(time.time() - t0, 1)})
         if row_paired:
             rows[-1]["paired"] = row_paired

@@ -254,11 +254,7 @@ def test_screen_paired_cosines_recover_a_systematic_error_and_not_a_batch_specif
     gen = torch.Generator().manual_seed(0)
     bias = {"a": torch.randn(6, 5, generator=gen), "b": torch.randn(4, 3, generator=gen)}
 
-    def batch():
-        d = {n: torch.randn(t.shape, generator=gen) for n, t in bias.items()}
-        return d
-
-    dense = [batch() for _ in range(5)]
+    dense = [{n: torch.randn(t.shape, generator=gen) for n, t in bias.items()} for _ in range(5)]
     # a purely systematic codec error: G = D - bias on every batch; replaying it restores D exactly
     sysg = [{n: d[n] - bias[n] for n in d} for d in dense]
     out = mod.paired_cosines(list(zip(sysg[:2], dense[:2])), list(zip(sysg[2:], dense[2:])), [0.0, 0.5, 1.0])
