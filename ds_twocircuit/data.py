@@ -1,15 +1,23 @@
-"""Corpora, tokenisation and packing into fixed-length training sequences.
+"""Corpora, tokenisation and the training stream of fixed-length sequences.
 
 A corpus is a list of documents split once into ``train`` and ``heldout`` by a hash of each
 document's name (so the split never depends on the machine, the order of a directory listing or
-the number of ranks). Training documents are shuffled with the run seed, tokenised lazily with an
-end-of-text token between documents, and packed into sequences of ``seq_len`` tokens. Sequence
-``i`` is a pure function of (corpus, tokenizer, seed, seq_len, i): every rank computes the same
-stream, picks its own share, and a resumed run continues at the same place.
+the number of ranks). Each split is tokenised once with ``datasets`` (``Dataset.map``, an
+end-of-text token after each document) into a memory-mapped Arrow cache keyed by the split's
+fingerprint and the tokenizer's, then cut into windows of ``seq_len`` tokens. The training stream
+visits the windows in a seeded random order (a new order each pass), so every step's sequences
+come from across the whole training set. Sequence ``i`` is a pure function of (corpus, tokenizer,
+seed, seq_len, i): every rank computes the same stream, picks its own share, and a resumed run
+continues at the same place.
 
 Sources (``--data``):
-* ``stdlib`` (default): the CPython standard library's ``.py`` files (no site-packages, no tests):
-  a code-domain adaptation corpus present on every machine.
+* ``sympy`` (default): Python, the source files of SymPy 1.14.0 (1,532 files, about 8M tokens),
+  pinned: the installed distribution must be exactly that release, and the files' fingerprint
+  is checked against the one recorded here, so every machine trains and scores on the same text;
+* ``deepspeed-cpp``: C++/CUDA, the kernel sources DeepSpeed 0.19.8 ships (252 files), pinned the
+  same way; a second domain, one document in 7 held out;
+* ``stdlib``: the running interpreter's standard library ``.py`` files (not pinned: differs
+  between Python builds);
 * a folder of text files (recursively; binary and non-UTF-8 files are skipped);
 * a ``.jsonl`` file: one JSON object per line, text in ``text``/``content``, or Alpaca-style
   ``instruction``/``input``/``output``;
@@ -17,28 +25,84 @@ Sources (``--data``):
 """
 from __future__ import annotations
 
-import array
 import hashlib
+import importlib.metadata
 import json
 import os
 import random
 import sysconfig
+import tempfile
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import ConfigError
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go",
                  ".rs", ".sh", ".json", ".yaml", ".yml", ".toml", ".html", ".css", ".tex", ".sql", ""}
-HELDOUT_EVERY = 50  # 2% of documents, chosen by name hash
+HELDOUT_EVERY = 50  # 2% of documents, chosen by name hash (a pinned corpus may set its own)
+HELDOUT_ORDER_SEED = 0  # the held-out windows' order: the same for every run seed and variant
+DEFAULT_DATA = "sympy"
+TOKENS_FORMAT = 1  # bump when the tokenised cache's layout changes
 
 
-def _heldout(name: str) -> bool:
-    return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % HELDOUT_EVERY == 0
+def _heldout(name: str, every: int = HELDOUT_EVERY) -> bool:
+    return int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % every == 0
+
+
+@dataclass(frozen=True)
+class PinnedCorpus:
+    """A corpus read from one exact release of a package on the registry: the same bytes on
+    every machine, checked against the fingerprint recorded here."""
+    name: str              # the --data value
+    distribution: str      # the installed distribution that ships the files
+    version: str
+    root: str              # the folder inside the distribution, also the documents' name prefix
+    suffixes: tuple
+    heldout_every: int
+    documents: int
+    fingerprint: str
+    description: str
+
+
+PINNED = {
+    "sympy": PinnedCorpus(
+        "sympy", "sympy", "1.14.0", "sympy", (".py",), HELDOUT_EVERY, 1532,
+        "e946afefea5eb5b1603a94743554962cbc0135500f1feef1bb7584accfa7dc27",
+        "Python: the source of SymPy 1.14.0, tests included"),
+    "deepspeed-cpp": PinnedCorpus(
+        "deepspeed-cpp", "deepspeed", "0.19.8", "deepspeed", (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"),
+        7, 252, "c45aa7fced2dadfc44d39a5584557c2fc92f7ddd3a531880eed185b9c29c62fd",
+        "C++/CUDA: the kernel sources shipped in DeepSpeed 0.19.8"),
+}
+
+
+class Corpus(list):
+    """The documents of one ``--data`` source, sorted by name, with how they are split."""
+
+    def __init__(self, docs, spec: str, heldout_every: int = HELDOUT_EVERY, pinned: PinnedCorpus | None = None):
+        super().__init__(sorted(docs, key=lambda d: d.name))
+        self.spec, self.heldout_every, self.pinned = spec, heldout_every, pinned
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
+
+def fingerprint(docs) -> str:
+    """SHA-256 over the documents' names and contents (order-independent)."""
+    h = hashlib.sha256()
+    for d in sorted(docs, key=lambda d: d.name):
+        h.update(d.name.encode() + b"\0" + hashlib.sha256(d.text().encode()).digest())
+    return h.hexdigest()
 
 
 class Document:
     __slots__ = ("name", "_text", "_path")
+
+    def __repr__(self) -> str:
+        return f"Document({self.name!r})"
 
     def __init__(self, name: str, text: str | None = None, path: str | None = None):
         self.name, self._text, self._path = name, text, path
@@ -51,6 +115,38 @@ class Document:
                 return f.read()
         except (UnicodeDecodeError, OSError):
             return ""
+
+
+def pinned_documents(pc: PinnedCorpus) -> Corpus:
+    """The files of ``pc`` as installed, verified: the exact release, and the fingerprint."""
+    fix = f"pip install --force-reinstall --no-deps {pc.distribution}=={pc.version}"
+    try:
+        dist = importlib.metadata.distribution(pc.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"--data {pc.name}: needs {pc.distribution}=={pc.version}, which is not "
+                          f"installed ({fix})") from None
+    if dist.version != pc.version:
+        raise ConfigError(f"--data {pc.name}: the corpus is {pc.distribution}=={pc.version}, but "
+                          f"{dist.version} is installed; install the pinned release ({fix}) or "
+                          "pass another --data")
+    root = str(dist.locate_file(pc.root))
+    if not os.path.isdir(root):
+        raise ConfigError(f"--data {pc.name}: {root} is not a folder ({pc.distribution} installed "
+                          f"without its files?); {fix}")
+    base = os.path.dirname(root)
+    docs = []
+    for p in _walk_files(root, skip_dirs={"__pycache__"}, suffixes=set(pc.suffixes)):
+        with open(p, "rb") as f:
+            raw = f.read()
+        docs.append(Document(os.path.relpath(p, base).replace(os.sep, "/"), text=raw.decode("utf-8", "replace")))
+    corpus = Corpus(docs, pc.name, pc.heldout_every, pinned=pc)
+    fp = corpus.fingerprint
+    if fp != pc.fingerprint or len(corpus) != pc.documents:
+        raise ConfigError(f"--data {pc.name}: the files under {root} are not the pinned "
+                          f"{pc.distribution} {pc.version} ({len(corpus)} documents, fingerprint "
+                          f"{fp[:16]}; expected {pc.documents}, {pc.fingerprint[:16]}): modified or "
+                          f"partly installed; {fix}")
+    return corpus
 
 
 def stdlib_root() -> str:
@@ -121,8 +217,11 @@ def datasets_documents(name: str) -> list[Document]:
     return [Document(f"{ds_name}:{i}", text=t) for i, rec in enumerate(ds) if (t := _record_text(rec))]
 
 
-def load_documents(spec: str | None) -> list[Document]:
-    spec = spec or "stdlib"
+def load_documents(spec: str | None) -> Corpus:
+    """The documents of a ``--data`` source (see the module's docstring), as a :class:`Corpus`."""
+    spec = spec or DEFAULT_DATA
+    if spec in PINNED:
+        return pinned_documents(PINNED[spec])
     if spec == "stdlib":
         docs = stdlib_documents()
     elif os.path.isdir(spec):
@@ -134,64 +233,122 @@ def load_documents(spec: str | None) -> list[Document]:
     elif spec.startswith("hf:") or (spec.count("/") == 1 and not spec.startswith((".", "/", "~"))):
         docs = datasets_documents(spec)
     else:
-        raise ConfigError(f"--data {spec!r} does not exist; use 'stdlib', a folder of text files, a "
-                          ".jsonl file, or a datasets name (hf:<name>)")
+        raise ConfigError(f"--data {spec!r} does not exist; use {', '.join(PINNED)}, 'stdlib', a "
+                          "folder of text files, a .jsonl file, or a datasets name (hf:<name>)")
     if not docs:
         raise ConfigError(f"--data {spec!r}: the corpus is empty (no non-empty text documents found)")
-    return docs
+    return Corpus(docs, spec)
 
 
-def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
-    held = [d for d in docs if _heldout(d.name)]
-    train = [d for d in docs if not _heldout(d.name)]
+def split_documents(docs: list[Document], every: int | None = None) -> tuple[list[Document], list[Document]]:
+    """(train, held-out) by name hash: one document in ``every`` (default: the corpus's own rate,
+    else 50) is held out."""
+    every = every or getattr(docs, "heldout_every", HELDOUT_EVERY)
+    docs = sorted(docs, key=lambda d: d.name)
+    held = [d for d in docs if _heldout(d.name, every)]
+    train = [d for d in docs if not _heldout(d.name, every)]
     if not held:  # tiny corpora: hold out the last document, if that leaves training data
         held, train = (train[-1:], train[:-1]) if len(train) > 1 else ([], train)
     return train, held
 
 
+def tokenizer_fingerprint(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    desc = backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)
+    return hashlib.sha256(f"{type(tok).__name__}|eos={tok.eos_token_id}|{desc}".encode()).hexdigest()
+
+
+def _cache_root() -> str:
+    from .models.presets import cache_dir
+    return os.path.join(cache_dir(), "tokens")
+
+
+def tokenize_documents(docs, tokenizer, desc: str = "corpus") -> np.ndarray:
+    """The documents (sorted by name) tokenised and concatenated, an end-of-text token after
+    each: an int32 array backed by a memory-mapped Arrow file that ``datasets`` wrote once per
+    (documents' fingerprint, tokenizer), under a lock (all ranks of a node may ask at once; each
+    node tokenises into its own cache, nothing assumes a shared filesystem)."""
+    import datasets
+    from .models.presets import _complete, _locked, _publish
+
+    docs = sorted(docs, key=lambda d: d.name)
+    key = hashlib.sha256(f"{TOKENS_FORMAT}|{fingerprint(docs)}|{tokenizer_fingerprint(tokenizer)}"
+                         .encode()).hexdigest()[:32]
+    folder = os.path.join(_cache_root(), key)
+    path = os.path.join(folder, "tokens.arrow")
+    with _locked(folder):
+        if not _complete(folder):
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=f".{key}-")
+            eos = tokenizer.eos_token_id
+            table = datasets.Dataset.from_dict({"name": [d.name for d in docs], "text": [d.text() for d in docs]})
+
+            def encode(batch):
+                ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
+                return {"input_ids": [x + [eos] if x and eos is not None else x for x in ids]}
+
+            features = datasets.Features({"name": datasets.Value("string"),
+                                          "input_ids": datasets.Sequence(datasets.Value("int32"))})
+            out = table.map(encode, batched=True, batch_size=32, remove_columns=["text"], features=features,
+                            cache_file_name=os.path.join(tmp, "tokens.arrow"), new_fingerprint=key,
+                            desc=f"tokenising {desc} ({len(docs)} documents, once)")
+            with open(os.path.join(tmp, "info.json"), "w") as f:
+                json.dump({"documents": len(docs), "tokens": sum(len(x) for x in out["input_ids"]),
+                           "fingerprint": fingerprint(docs), "tokenizer": tokenizer_fingerprint(tokenizer)}, f)
+            del out, table
+            _publish(tmp, folder)
+    col = datasets.Dataset.from_file(path).data.column("input_ids")
+    if col.num_chunks == 1:
+        return col.chunk(0).flatten().to_numpy(zero_copy_only=True)
+    return np.concatenate([c.flatten().to_numpy(zero_copy_only=True) for c in col.chunks])
+
+
 class PackedSequences:
-    """Random access to packed token sequences of length ``seq_len`` (tokenised lazily)."""
+    """Random access to windows of ``seq_len`` tokens of the tokenised documents.
+
+    The documents' tokens are cut into ``len(self)`` non-overlapping windows (the last partial
+    one dropped); sequence ``i`` is window ``order(i // len(self))[i % len(self)]``, where each
+    pass over the windows has its own order drawn from ``seed`` (``shuffle=False``: the windows
+    in corpus order). A corpus shorter than one window is repeated to fill it."""
 
     def __init__(self, docs: list[Document], tokenizer, seq_len: int, seed: int = 0,
                  shuffle: bool = True, name: str = "corpus"):
-        self.docs = list(docs)
-        if shuffle:
-            random.Random(seed).shuffle(self.docs)
-        self.tok = tokenizer
-        self.seq_len = int(seq_len)
-        self.eos = tokenizer.eos_token_id
-        self.name = name
-        self._buf = array.array("i")
-        self._next_doc = 0
-        self._epoch = 0
-        self._epoch_tokens = 0
-        self._seed = seed
-        self._shuffle = shuffle
+        self.seq_len, self.name, self._seed, self._shuffle = int(seq_len), name, int(seed), shuffle
+        tokens = tokenize_documents(docs, tokenizer, desc=name) if docs else np.zeros(0, np.int32)
+        if len(tokens) == 0:
+            raise ConfigError(f"{name}: the corpus has no tokens")
+        self.tokens = len(tokens)
+        if len(tokens) < self.seq_len:
+            tokens = np.tile(tokens, -(-self.seq_len // len(tokens)))
+        self._ids = tokens
+        self.windows = len(tokens) // self.seq_len
+        self._orders: dict[int, list[int]] = {}
 
-    def _extend(self, need: int) -> None:
-        while len(self._buf) < need:
-            if self._next_doc >= len(self.docs):
-                if self._epoch_tokens == 0:
-                    raise ConfigError(f"{self.name}: the corpus has no tokens")
-                self._next_doc, self._epoch, self._epoch_tokens = 0, self._epoch + 1, 0
-                if self._shuffle:  # a new order for each pass over the corpus
-                    random.Random(self._seed + self._epoch).shuffle(self.docs)
-            text = self.docs[self._next_doc].text()
-            self._next_doc += 1
-            if text:
-                ids = self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-                self._epoch_tokens += len(ids)
-                self._buf.extend(ids)
-                if ids and self.eos is not None:
-                    self._buf.append(self.eos)
+    def __len__(self) -> int:
+        return self.windows
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.windows))
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one pass at a time is ever needed
+        return self._orders[epoch]
+
+    def window_index(self, i: int) -> int:
+        epoch, j = divmod(int(i), self.windows)
+        return self._order(epoch)[j] if self._shuffle else j
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        end = (i + 1) * self.seq_len
-        self._extend(end)
-        return torch.tensor(self._buf[i * self.seq_len:end].tolist(), dtype=torch.long)
+        k = self.window_index(i) * self.seq_len
+        return torch.from_numpy(self._ids[k:k + self.seq_len].astype(np.int64))
 
     def batch(self, start: int, count: int) -> torch.Tensor:
         return torch.stack([self[start + j] for j in range(count)])
+
+
+def heldout_sequences(docs: list[Document], tokenizer, seq_len: int, name: str = "held-out") -> PackedSequences:
+    """The held-out windows in one fixed order (spread over all held-out documents, the same for
+    every run seed and variant): the first N of them are what an evaluation of N scores."""
+    return PackedSequences(docs, tokenizer, seq_len, seed=HELDOUT_ORDER_SEED, shuffle=True, name=name)
 
 
 class MicroBatchStream:

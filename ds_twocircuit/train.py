@@ -37,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "on DeepSpeed. Launch with `deepspeed --num_gpus N launch/train.py ...`.")
     p.add_argument("--model", default="smollm2-135m",
                    help="HF model folder, hub id, or preset: smollm2-135m (default, offline), tiny")
-    p.add_argument("--data", default="stdlib",
-                   help="stdlib (default: the Python standard library's source), a folder of text "
-                        "files, a .jsonl file, or hf:<datasets name>")
+    p.add_argument("--data", default="sympy",
+                   help="sympy (default: the Python source of SymPy 1.14.0, pinned and verified), "
+                        "deepspeed-cpp (C++/CUDA, pinned), stdlib (this interpreter's standard "
+                        "library: not pinned), a folder of text files, a .jsonl file, or hf:<datasets name>")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2, or 1 for one process)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: fast ranks / pp)")
     p.add_argument("--anchor-replicas", type=int, default=None,
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train LoRA adapters of this rank instead of the full model (twocircuit.lora.r; 0: off)")
     p.add_argument("--seed", type=int, default=0, help="data order and mask seed (default 0)")
     p.add_argument("--output-dir", default=None, help="default: runs/<config name>")
-    p.add_argument("--eval-sequences", type=int, default=32,
-                   help="held-out sequences scored at start and end, dense and masked (0: skip)")
+    p.add_argument("--eval-sequences", type=int, default=512,
+                   help="held-out sequences scored at start and end, dense and through the codec "
+                        "(default 512: 65,536 tokens at --seq-len 128; capped at the held-out set's "
+                        "size; 0: skip)")
     p.add_argument("--save-checkpoint", action="store_true",
                    help="write a DeepSpeed checkpoint (weights, optimizer, DP and anchor state) at the end")
     p.add_argument("--save-interval", type=int, default=0,
@@ -138,6 +141,7 @@ class Plan:
     parts: Any                          # layer boundaries of the stages
     train_docs: list
     heldout_docs: list
+    data_fingerprint: str               # data.fingerprint of the corpus (names and contents)
     mb: int                             # micro-batch size per rank
     gas: int                            # micro-batches per step
     optimizer: tuple                    # (torch.optim class name, its keyword arguments)
@@ -241,6 +245,7 @@ def make_plan(args, world_size: int) -> Plan:
 
     docs = load_documents(args.data)
     train_docs, heldout_docs = split_documents(docs)
+    data_fingerprint = docs.fingerprint
     if not train_docs:
         raise ConfigError(f"--data {args.data!r}: no training documents left after the held-out split")
 
@@ -285,7 +290,7 @@ def make_plan(args, world_size: int) -> Plan:
                           "embedding in different fragments (they drift apart); use 'untie' or 'freeze'")
     return Plan(args=args, config_name=config_name, tc=tc, ds_config=ds, pp=pp, dp=dp, z=z,
                 anchor_ranks=anchor_ranks, model_folder=model_folder, spec=spec, parts=parts,
-                train_docs=train_docs, heldout_docs=heldout_docs, mb=mb, gas=gas, optimizer=optimizer,
+                train_docs=train_docs, heldout_docs=heldout_docs, data_fingerprint=data_fingerprint, mb=mb, gas=gas, optimizer=optimizer,
                 ckpt_policy=ckpt_policy, fault=fault,
                 output_dir=args.output_dir or os.path.join("runs", config_name))
 
@@ -301,14 +306,29 @@ def _optimizer(plan, params):
     return cls(params, **kw)
 
 
-def _evaluate(engine, plan, seqs, masked: bool) -> float | None:
-    """Mean held-out loss over the first ``--eval-sequences`` held-out sequences."""
+def _evaluate(engine, plan, seqs, masked: bool) -> tuple[float, float | None, int]:
+    """(mean held-out loss, its standard error, sequences scored) over the first
+    ``--eval-sequences`` held-out windows (at most the held-out set). Each ``eval_batch`` call
+    scores one global batch (its loss is averaged over the DP replicas); the standard error is
+    that of the mean of those batch losses."""
+    import statistics
     from .data import MicroBatchStream
     per_call = plan.mb * plan.gas * plan.dp
-    calls = max(1, plan.args.eval_sequences // per_call)
+    calls = max(1, min(plan.args.eval_sequences, len(seqs)) // per_call)
+    import torch.distributed as dist
+    from tqdm import tqdm
     it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
-    losses = [float(engine.eval_batch(it, dense=not masked)) for _ in range(calls)]
-    return sum(losses) / len(losses)
+    bar = tqdm(range(calls), desc=f"held-out loss ({'through the codec' if masked else 'dense'}, "
+               f"{calls * per_call} sequences)", unit="batch", leave=False, dynamic_ncols=True,
+               disable=dist.get_rank() != 0)
+    losses = [float(engine.eval_batch(it, dense=not masked)) for _ in bar]
+    se = statistics.stdev(losses) / math.sqrt(len(losses)) if len(losses) > 1 else None
+    return statistics.fmean(losses), se, calls * per_call
+
+
+def _record_eval(evals: dict, key: str, result) -> None:
+    evals[key], evals[key + "_se"], scored = result
+    evals["heldout_sequences"] = scored
 
 
 def _gather_hf_state(engine, spec, world, lora: bool = False):
@@ -601,7 +621,7 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     from transformers import AutoTokenizer
 
     from . import wire
-    from .data import MicroBatchStream, PackedSequences
+    from .data import MicroBatchStream, PackedSequences, heldout_sequences
 
     progress = progress if progress is not None else Progress()
     args, tc = plan.args, plan.tc
@@ -621,8 +641,12 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
     train_seqs = PackedSequences(plan.train_docs, tok, args.seq_len, seed=args.seed, name=f"--data {args.data}")
-    held_seqs = PackedSequences(plan.heldout_docs, tok, args.seq_len, shuffle=False,
-                                name=f"--data {args.data} (held-out)") if plan.heldout_docs else None
+    held_seqs = heldout_sequences(plan.heldout_docs, tok, args.seq_len,
+                                  name=f"--data {args.data} (held-out)") if plan.heldout_docs else None
+    data_info = {"spec": args.data, "fingerprint": plan.data_fingerprint,
+                 "documents": len(plan.train_docs) + len(plan.heldout_docs),
+                 "train_documents": len(plan.train_docs), "heldout_documents": len(plan.heldout_docs),
+                 "train_tokens": train_seqs.tokens, "heldout_tokens": held_seqs.tokens if held_seqs else 0}
     evaluate = held_seqs is not None and args.eval_sequences > 0
 
     ckpt_dir = os.path.join(out_dir, "checkpoint")
@@ -646,9 +670,9 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
 
     evals = {}
     if evaluate:
-        evals["heldout_loss_first"] = _evaluate(engine, plan, held_seqs, masked=False)
+        _record_eval(evals, "heldout_loss_first", _evaluate(engine, plan, held_seqs, masked=False))
         if tc.mode != "dense":
-            evals["heldout_loss_masked_first"] = _evaluate(engine, plan, held_seqs, masked=True)
+            _record_eval(evals, "heldout_loss_masked_first", _evaluate(engine, plan, held_seqs, masked=True))
 
     log = StepLog(plan, engine, link, is_rank0, start_step)
     policy = plan.ckpt_policy
@@ -697,9 +721,9 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     replicas_identical = _replicas_identical(engine, plan)
     anchor_stats = link.finish() if link is not None else None
     if evaluate:
-        evals["heldout_loss"] = _evaluate(engine, plan, held_seqs, masked=False)
+        _record_eval(evals, "heldout_loss", _evaluate(engine, plan, held_seqs, masked=False))
         if tc.mode != "dense":
-            evals["heldout_loss_masked"] = _evaluate(engine, plan, held_seqs, masked=True)
+            _record_eval(evals, "heldout_loss_masked", _evaluate(engine, plan, held_seqs, masked=True))
 
     # start-up: what this rank received from its DP group's first replica (one-off, outside our
     # counters; nothing when the replicas loaded the same weights, see MaskedPipelineEngine)
@@ -719,6 +743,7 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
                            anchor_stats, dp_final_bytes, dp_init_bytes)
+        summary["data"] = {**data_info, "heldout_scored_tokens": evals.pop("heldout_sequences", 0) * args.seq_len}
         summary["parameters"] = params  # (LoRA: the adapters train, and only they cross the DP link)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
@@ -831,7 +856,7 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
         "eval_wire_bytes": totals["pp_eval"],
         "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
-        **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},
+        **{k: (round(v, 5) if v is not None else None) for k, v in evals.items() if k != "heldout_sequences"},
     }
 
 
@@ -854,10 +879,16 @@ def print_summary(s: dict, out_dir: str) -> None:
         f"train loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}",
     ]
     if "heldout_loss" in s:
-        ho = f"held-out loss (dense inference) {s.get('heldout_loss_first', float('nan')):.4f} -> {s['heldout_loss']:.4f}"
+        se = f" (standard error {s['heldout_loss_se']:.4f})" if s.get("heldout_loss_se") else ""
+        ho = f"held-out loss (dense inference) {s.get('heldout_loss_first', float('nan')):.4f} -> {s['heldout_loss']:.4f}{se}"
         if "heldout_loss_masked" in s:
-            ho += f"; masked inference {s.get('heldout_loss_masked_first', float('nan')):.4f} -> {s['heldout_loss_masked']:.4f}"
+            ho += f"; through the codec {s.get('heldout_loss_masked_first', float('nan')):.4f} -> {s['heldout_loss_masked']:.4f}"
         lines.append(ho)
+    if "data" in s:
+        d = s["data"]
+        lines.append(f"data {d['spec']}: {d['train_tokens']:,} training tokens in {d['train_documents']} documents; "
+                     f"held-out {d['heldout_scored_tokens']:,} tokens scored of {d['heldout_tokens']:,}; "
+                     f"fingerprint {d['fingerprint'][:16]}")
     codec = s.get("codec") or {}
     lines += [
         (f"codec lowrank: rank {codec['rank']}, {codec['bytes_per_token']} bytes per token each way "

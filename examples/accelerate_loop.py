@@ -33,7 +33,7 @@ from ds_twocircuit.models.presets import resolve_model
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, or a folder")
-    p.add_argument("--data", default="stdlib", help="stdlib (default), a folder, or a .jsonl file")
+    p.add_argument("--data", default="sympy", help="as launch/train.py --data: sympy (default, pinned), deepspeed-cpp, a folder, or a .jsonl file")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-4)

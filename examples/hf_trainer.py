@@ -46,7 +46,7 @@ class Sequences(torch.utils.data.Dataset):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, or a folder")
-    p.add_argument("--data", default="stdlib")
+    p.add_argument("--data", default="sympy", help="as launch/train.py --data (default: the pinned sympy corpus)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4, help="per replica; must match the DeepSpeed JSON")

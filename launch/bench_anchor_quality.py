@@ -70,7 +70,7 @@ def run_variant(name, args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.anchor.spectral import SpectralCorrection
-    from ds_twocircuit.data import PackedSequences, load_documents, split_documents
+    from ds_twocircuit.data import PackedSequences, heldout_sequences, load_documents, split_documents
     from ds_twocircuit.models.layers import causal_lm_loss, hf_decoder_matrices
     from ds_twocircuit.models.presets import resolve_model
     from ds_twocircuit.reference import BoundaryMasker, untie_head
@@ -85,9 +85,9 @@ def run_variant(name, args):
     masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed,
                             warmup_steps=v.get("warmup", 0), ramp_steps=v.get("ramp", 0))
     tok = AutoTokenizer.from_pretrained(folder)
-    train, held = split_documents(load_documents("stdlib"))
+    train, held = split_documents(load_documents(args.data))
     seqs = PackedSequences(train, tok, args.seq_len, seed=args.seed)
-    hseqs = PackedSequences(held, tok, args.seq_len, shuffle=False)
+    hseqs = heldout_sequences(held, tok, args.seq_len)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     ap = v.get("ap")

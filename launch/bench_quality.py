@@ -85,7 +85,7 @@ VARIANTS = {
 def parse():
     from benchnotes import study_parser  # launch/, next to this script
     # the published protocol (docs/benchmarks/quality.md): 80 steps, 48 held-out sequences
-    p = study_parser(__doc__, "dense,m95,m95_meanfill,lowrank", steps=80, eval_sequences=48, eval_every=40,
+    p = study_parser(__doc__, "dense,m95,m95_meanfill,lowrank", steps=80, eval_sequences=512, eval_every=40,
                      results=RESULTS)
     p.add_argument("--save-dir", default=None,
                    help="also save each trained model as a Hugging Face folder <save-dir>/<variant>_seed<S> "
@@ -109,7 +109,7 @@ def run_variant(name, args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.config import CodecConfig
-    from ds_twocircuit.data import PackedSequences, load_documents, split_documents
+    from ds_twocircuit.data import PackedSequences, fingerprint, heldout_sequences, load_documents, split_documents
     from ds_twocircuit.models.layers import causal_lm_loss
     from ds_twocircuit.models.presets import resolve_model
     from ds_twocircuit.reference import BoundaryMasker, untie_head
@@ -124,9 +124,9 @@ def run_variant(name, args):
     masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed,
                             codec_cfg=codec_cfg, gas=gas)
     tok = AutoTokenizer.from_pretrained(folder)
-    train, held = split_documents(load_documents("stdlib"))
+    train, held = split_documents(load_documents(args.data))
     seqs = PackedSequences(train, tok, args.seq_len, seed=args.seed)
-    hseqs = PackedSequences(held, tok, args.seq_len, shuffle=False)
+    hseqs = heldout_sequences(held, tok, args.seq_len)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     K = v.get("every", 0)
@@ -143,7 +143,8 @@ def run_variant(name, args):
                                  diagnostics=False)
     pending = {}  # snapshot step -> the anchor's dense gradient (delivered K steps later)
     H = model.config.hidden_size
-    log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed,
+    log = {"variant": name, "settings": v, "steps": args.steps, "seed": args.seed, "data": args.data,
+           "data_fingerprint": fingerprint(train + held), "eval_sequences": min(args.eval_sequences, len(hseqs)),
            "tokens": args.steps * args.batch * args.seq_len, "train_loss": [], "heldout": []}
 
     def evaluate(step):
@@ -256,8 +257,11 @@ def report(args):
                for s in table_summary]
     out = {"benchmark": "quality", "model": args.model,
            "protocol": "single-process pipeline equivalent, one boundary (pp=2 balanced), 8 x 128 tokens/step, "
-                       "AdamW lr 1e-4 betas 0.9/0.95 clip 1.0, held-out: first 48 held-out sequences of the "
-                       "stdlib corpus; dense and coded inference",
+                       "AdamW lr 1e-4 betas 0.9/0.95 clip 1.0, held-out: "
+                       + (f"the first {rows[0]['eval_sequences']} windows (fixed order) of the "
+                          f"{rows[0]['data']} corpus's held-out split" if rows[0].get("data") else
+                          "first 48 held-out sequences of the stdlib corpus (before the pinned corpus)")
+                       + "; dense and coded inference",
            "rows": [{"variant": r["variant"], "codec": r["settings"]["mode"],
                      "codec_settings": r["settings"].get("codec"), "mask_rate": r["settings"]["p"],
                      "correction": r["settings"].get("correction",

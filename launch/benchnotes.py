@@ -52,6 +52,7 @@ def study_parser(doc: str, variants: str, steps: int, eval_sequences: int, eval_
     p.add_argument("--variants", default=variants)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", default="sympy", help="training corpus (as launch/train.py --data; default the pinned sympy)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per step (8 x 128 tokens as the configs)")
     p.add_argument("--micro-batch", type=int, default=2)
@@ -72,6 +73,7 @@ def heldout_loss(model, masker, seqs, n: int, mb: int, coded: bool) -> float:
     from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss
     masker.enabled = coded
+    n = min(n, len(seqs))  # never past the held-out set (a second pass would repeat windows)
     losses = []
     with torch.no_grad():
         for i in range(0, n, mb):

@@ -98,6 +98,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--codecs", default=DEFAULT)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--data", default="sympy", help="training corpus (as launch/train.py --data)")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--calibration-sequences", type=int, default=32, help="sender statistics (training data)")
     ap.add_argument("--eval-sequences", type=int, default=24)
@@ -124,7 +125,7 @@ def main():
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from ds_twocircuit.data import PackedSequences, load_documents, split_documents
+    from ds_twocircuit.data import PackedSequences, heldout_sequences, load_documents, split_documents
     from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss, hf_decoder_matrices
     from ds_twocircuit.models.presets import resolve_model
@@ -134,9 +135,9 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     untie_head(model)
     tok = AutoTokenizer.from_pretrained(folder)
-    train, held = split_documents(load_documents("stdlib"))
+    train, held = split_documents(load_documents(args.data))
     seqs = PackedSequences(train, tok, args.seq_len, seed=args.seed)
-    hseqs = PackedSequences(held, tok, args.seq_len, shuffle=False)
+    hseqs = heldout_sequences(held, tok, args.seq_len)
     mats = hf_decoder_matrices(model)
     mb = 8
 

@@ -16,7 +16,7 @@ CODEC = dict(groups=[[8, 4]], refresh_steps=[0], refresh_every=0)
 
 
 def _args(**kw):
-    a = dict(model="tiny", seq_len=32, batch=4, micro_batch=2, lr=1e-3, pp=2, seed=0, eval_sequences=2,
+    a = dict(model="tiny", data="deepspeed-cpp", seq_len=32, batch=4, micro_batch=2, lr=1e-3, pp=2, seed=0, eval_sequences=2,
              eval_every=100, steps=4, save_dir=None)
     a.update(kw)
     return types.SimpleNamespace(**a)

@@ -1,12 +1,16 @@
 """Corpora, held-out split and packing: deterministic, rank-independent, errors name the input."""
+import dataclasses
+import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from ds_twocircuit.config import ConfigError
-from ds_twocircuit.data import (MicroBatchStream, PackedSequences, load_documents, split_documents,
-                                stdlib_documents)
+from ds_twocircuit import data
+from ds_twocircuit.data import (PINNED, MicroBatchStream, PackedSequences, heldout_sequences, load_documents,
+                                split_documents, stdlib_documents)
 from ds_twocircuit.models.presets import byte_level_tokenizer
 
 
@@ -64,14 +68,19 @@ def test_packing_is_deterministic_and_separates_documents(tok, tmp_path):
     b = PackedSequences(docs, tok, 32, seed=3)
     assert torch.equal(a.batch(0, 6), b.batch(0, 6))
     assert torch.equal(a[5], b.batch(5, 1)[0])              # random access == sequential
-    flat = torch.cat([a[i] for i in range(6)]).tolist()
+    flat = torch.cat([a[i] for i in range(len(a))]).tolist()
     assert flat.count(tok.eos_token_id) >= 4                # end-of-text between documents
     c = PackedSequences(docs, tok, 32, seed=4)
-    assert not torch.equal(a.batch(0, 6), c.batch(0, 6))    # the seed orders documents
+    assert not torch.equal(a.batch(0, 6), c.batch(0, 6))    # the seed orders the windows
+    # every pass visits each window once, each pass in its own order
+    n = len(a)
+    first = sorted(a.window_index(i) for i in range(n))
+    assert first == list(range(n)) == sorted(a.window_index(n + i) for i in range(n))
+    assert [a.window_index(i) for i in range(n)] != [a.window_index(n + i) for i in range(n)]
 
 
 def test_microbatch_stream_is_independent_of_the_dp_split(tok):
-    train, _ = split_documents(stdlib_documents())
+    train, _ = split_documents(load_documents("deepspeed-cpp"))
     seqs = PackedSequences(train[:30], tok, 16, seed=0)
     # global batch 8 per step: dp=2 x gas=2 x mb=2 vs dp=1 x gas=4 x mb=2
     two = [MicroBatchStream(seqs, 2, 2, 2, r) for r in range(2)]
@@ -80,3 +89,80 @@ def test_microbatch_stream_is_independent_of_the_dp_split(tok):
         ref = torch.cat([next(one)[0] for _ in range(4)])
         got = torch.cat([next(two[r])[0] for r in range(2) for _ in range(2)])
         assert torch.equal(ref, got)
+
+
+def test_the_stream_mixes_the_whole_corpus(tok):
+    """A few steps' sequences come from across the training set, not from a handful of files:
+    windows are shuffled over the tokenised corpus (issue: 30 steps once saw two files)."""
+    train, _ = split_documents(load_documents("deepspeed-cpp"))
+    seqs = PackedSequences(train, tok, 128, seed=0)
+    ids = np.asarray(seqs._ids)
+    eos = np.flatnonzero(ids == tok.eos_token_id)           # document ends (byte tokenizer: no other eos)
+    assert len(eos) == len(train)
+    docs_seen = {int(np.searchsorted(eos, seqs.window_index(i) * 128)) for i in range(240)}
+    walked = {int(np.searchsorted(eos, i * 128)) for i in range(240)}   # whole documents in a row
+    assert len(docs_seen) > 80 and len(docs_seen) > 4 * len(walked)      # 240 sequences: 98 of 216 files
+    assert seqs.tokens == len(ids) == sum(len(d.text().encode()) for d in train) + len(train)
+
+
+def test_pinned_corpora_are_the_recorded_bytes():
+    """The default corpus is the pinned release on every machine: the fingerprint recorded in the
+    code is recomputed from the installed files (it does not depend on the interpreter, whose
+    standard library differs between builds), and is what a run reports."""
+    for name, pc in PINNED.items():
+        corpus = load_documents(name)
+        assert len(corpus) == pc.documents and corpus.fingerprint == pc.fingerprint
+        assert all(d.name.startswith(pc.root + "/") for d in corpus)
+        assert not any("__pycache__" in d.name for d in corpus)
+    code = load_documents(None)
+    assert code.spec == data.DEFAULT_DATA == "sympy" and len(code) >= 1000
+    train, held = split_documents(code)
+    assert len(train) + len(held) == len(code) and {d.name for d in train}.isdisjoint(d.name for d in held)
+
+
+def test_fingerprint_depends_on_names_and_contents_only():
+    a = [data.Document("x.py", text="print(1)"), data.Document("y.py", text="print(2)")]
+    fp = data.fingerprint(a)
+    assert fp == data.fingerprint(list(reversed(a)))
+    assert fp != data.fingerprint([data.Document("x.py", text="print(1) "), a[1]])
+    assert fp != data.fingerprint([data.Document("z.py", text="print(1)"), a[1]])
+    # a hand computation
+    h = hashlib.sha256()
+    for d in a:
+        h.update(d.name.encode() + b"\0" + hashlib.sha256(d.text().encode()).digest())
+    assert fp == h.hexdigest()
+
+
+def test_a_modified_or_wrong_release_is_refused(tmp_path, monkeypatch):
+    pc = PINNED["deepspeed-cpp"]
+    fake = dataclasses.replace(pc, fingerprint="0" * 64)
+    with pytest.raises(ConfigError, match=r"not the pinned deepspeed 0\.19\.8.*pip install --force-reinstall"):
+        data.pinned_documents(fake)
+    with pytest.raises(ConfigError, match=r"is installed; install the pinned release"):
+        data.pinned_documents(dataclasses.replace(pc, version="0.0.1"))
+    with pytest.raises(ConfigError, match=r"not installed"):
+        data.pinned_documents(dataclasses.replace(pc, distribution="no-such-distribution-xyz"))
+
+
+def test_tokenised_cache_is_keyed_by_corpus_and_tokenizer(tmp_path, monkeypatch, tok):
+    monkeypatch.setenv("DS_TWOCIRCUIT_CACHE", str(tmp_path / "cache"))
+    docs = [data.Document(f"{i}.txt", text=f"doc {i} " * 20) for i in range(4)]
+    a = data.tokenize_documents(docs, tok)
+    assert a.dtype == np.int32 and list(a[:6]) == list("doc 0 ".encode())
+    folders = sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(folders) == 1 and (tmp_path / "cache" / "tokens" / folders[0] / "tokens.arrow").is_file()
+    info = json.loads((tmp_path / "cache" / "tokens" / folders[0] / "info.json").read_text())
+    assert info["tokens"] == len(a) == 4 * 120 + 4 and info["fingerprint"] == data.fingerprint(docs)
+    assert np.array_equal(data.tokenize_documents(list(reversed(docs)), tok), a)   # cached, same order
+    docs[0] = data.Document("0.txt", text="changed")
+    b = data.tokenize_documents(docs, tok)
+    assert len(b) != len(a)
+    assert len([p for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir() and not p.name.startswith(".")]) == 2
+
+
+def test_heldout_windows_are_fixed_and_spread(tok):
+    _, held = split_documents(load_documents("deepspeed-cpp"))
+    h1, h2 = heldout_sequences(held, tok, 128), heldout_sequences(held, tok, 128)
+    assert torch.equal(h1.batch(0, 16), h2.batch(0, 16))
+    first = [h1.window_index(i) for i in range(64)]
+    assert max(first) > 0.8 * len(h1) and min(first) < 0.2 * len(h1)   # not the first files only

@@ -330,7 +330,7 @@ def tiny_ctx():
 
 def test_code_ppl_uses_exactly_the_heldout_split(tiny_ctx):
     from ds_twocircuit.data import load_documents, split_documents
-    train, held = split_documents(load_documents("stdlib"))
+    train, held = split_documents(load_documents("sympy"))
     task = get_task("code-ppl")
     docs = task.documents(tiny_ctx)
     assert [d.name for d in docs] == [d.name for d in held]

@@ -55,7 +55,7 @@ def reference(cfg, pp, dp, steps=STEPS, seed=0, lora=None):
         opt = torch.optim.AdamW(trainable, lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
                                 weight_decay=opt_cfg["weight_decay"])
     tok = AutoTokenizer.from_pretrained(folder)
-    train, _ = split_documents(load_documents("stdlib"))
+    train, _ = split_documents(load_documents("sympy"))
     seqs = PackedSequences(train, tok, SEQ, seed=seed)
     mb, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     losses = reference_train(model, lambda r: MicroBatchStream(seqs, mb, gas, dp, r), steps, dp, gas, opt,

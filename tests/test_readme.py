@@ -34,15 +34,22 @@ def test_readme_main_job_adapts_the_default_model(tmp_path):
     assert launch[:4] == ["deepspeed", "--num_gpus", "2", "launch/train.py"]
     out = str(tmp_path / "lowrank")
     # deepspeed_launch supplies the launcher and the script; pass the README's own arguments
-    deepspeed_launch(2, launch[4:] + ["--output-dir", out], timeout=1500)
+    deepspeed_launch(2, launch[4:] + ["--output-dir", out], timeout=2700)
     s = read_summary(out)
     assert s["config"]["model"] == "smollm2-135m" and s["mesh"] == {**s["mesh"], "pp": 2, "dp": 1}
     assert s["steps"] == 30 and s["tokens"] == 30 * 8 * 128
     assert len(read_metrics(out)) == 30
-    # 30 steps through the codec improve the model as users score it (dense inference: measured
-    # 2.531 -> 2.486; the paper's M95 codec takes it to 2.78 in the same run), and the model as the
-    # mesh serves it gets much better (through the codec: 3.19 -> 2.58)
-    assert s["heldout_loss"] < s["heldout_loss_first"] - 0.01
+    # the pinned default corpus, the same bytes on every machine, and a held-out set of 64k tokens
+    from ds_twocircuit.data import PINNED
+    d = s["data"]
+    assert d["spec"] == "sympy" and d["fingerprint"] == PINNED["sympy"].fingerprint
+    assert d["documents"] == 1532 and d["train_tokens"] > 5_000_000 and d["heldout_scored_tokens"] == 512 * 128
+    # 30 steps through the codec improve the model as users score it, by more than the held-out
+    # noise (dense inference: measured 2.645 -> 2.352, standard error 0.023), and the model as the
+    # mesh serves it gets much better (through the codec: 3.18 -> 2.41)
+    se = max(s["heldout_loss_first_se"], s["heldout_loss_se"])
+    assert 0.005 < se < 0.1
+    assert s["heldout_loss"] < s["heldout_loss_first"] - 2 * se
     assert s["heldout_loss_masked"] < s["heldout_loss_masked_first"] - 0.3
     # 224 coefficients per token, both ways, at 4 bits + one bf16 scale = 114 bytes
     tokens = 30 * 8 * 128

@@ -9,15 +9,15 @@ from .base import EvalContext, Prepared, Task, TaskError
 from .code import MBPP, HumanEval
 from .math import GSM8K, GSM8KSynth
 from .multiple_choice import ARCChallenge, HellaSwag, MedMCQA, MedQA, QuALITY, SciQ, WinoGrande
-from .perplexity import (CodePerplexity, CorpusPerplexity, LegalPerplexity, RunHeldoutPerplexity,
-                         TechPerplexity)
+from .perplexity import (CodePerplexity, CorpusPerplexity, CppPerplexity, LegalPerplexity,
+                         RunHeldoutPerplexity, TechPerplexity)
 from .qa import NarrativeQA
 from .spider import Spider
 from .summarization import CNNDailyMail, XSum
 
 _ORDER = [MedQA, MedMCQA, HumanEval, MBPP, GSM8K, GSM8KSynth, ARCChallenge, SciQ, HellaSwag,
           WinoGrande, CNNDailyMail, XSum, Spider, QuALITY, NarrativeQA, CodePerplexity,
-          LegalPerplexity, TechPerplexity, RunHeldoutPerplexity]
+          CppPerplexity, LegalPerplexity, TechPerplexity, RunHeldoutPerplexity]
 TASKS: dict[str, Task] = {cls.name: cls() for cls in _ORDER}
 DYNAMIC = {"ppl:<path>": "perplexity on every document of a folder of text files or a .jsonl file"}
 

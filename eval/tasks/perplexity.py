@@ -1,7 +1,8 @@
 """Held-out perplexity on local corpora (no hub needed).
 
-* ``code-ppl``: the held-out split of the ``stdlib`` training corpus (``ds_twocircuit.data``:
-  the same name-hash split training uses, so no training step ever saw these files);
+* ``code-ppl``: the held-out split of the default training corpus (``sympy``, pinned;
+  ``ds_twocircuit.data``: the same name-hash split training uses, so no training step ever saw
+  these files); ``cpp-ppl``: the same for the ``deepspeed-cpp`` corpus (C++/CUDA);
 * ``legal-ppl``: held-out license and copyright texts; ``tech-ppl``: held-out man pages
   (:mod:`eval.corpora`);
 * ``heldout-ppl``: the held-out split of the run's own training data (``config.data`` in the
@@ -89,12 +90,20 @@ def _heldout(docs):
 
 class CodePerplexity(Perplexity):
     name = "code-ppl"
-    source = "Python standard library, held-out split of the 'stdlib' training corpus"
-    description = "held-out perplexity, code (the training corpus's held-out split)"
+    corpus = "sympy"
+    source = "SymPy 1.14.0 source (pinned), held-out split of the default 'sympy' training corpus"
+    description = "held-out perplexity, Python code (the default training corpus's held-out split)"
 
     def documents(self, ctx):
         from ds_twocircuit.data import load_documents
-        return _heldout(load_documents("stdlib"))
+        return _heldout(load_documents(self.corpus))
+
+
+class CppPerplexity(CodePerplexity):
+    name = "cpp-ppl"
+    corpus = "deepspeed-cpp"
+    source = "DeepSpeed 0.19.8 C++/CUDA sources (pinned), held-out split of the 'deepspeed-cpp' corpus"
+    description = "held-out perplexity, C++/CUDA code (the 'deepspeed-cpp' corpus's held-out split)"
 
 
 class LegalPerplexity(Perplexity):

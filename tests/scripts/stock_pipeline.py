@@ -33,7 +33,7 @@ def main(cfg_path, out, steps, seq):
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params, config=cfg)
     assert type(engine).__name__ == "PipelineEngine"
     tok = AutoTokenizer.from_pretrained(folder)
-    train, _ = split_documents(load_documents("stdlib"))
+    train, _ = split_documents(load_documents("sympy"))
     seqs = PackedSequences(train, tok, seq, seed=0)
     stream = MicroBatchStream(seqs, cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], 1, 0)
     losses = [float(engine.train_batch(stream)) for _ in range(steps)]
