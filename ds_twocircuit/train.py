@@ -312,11 +312,13 @@ def _evaluate(engine, plan, seqs, masked: bool) -> tuple[float, float | None, in
     scores one global batch (its loss is averaged over the DP replicas); the standard error is
     that of the mean of those batch losses."""
     import statistics
+
+    import torch.distributed as dist
+    from tqdm import tqdm
+
     from .data import MicroBatchStream
     per_call = plan.mb * plan.gas * plan.dp
     calls = max(1, min(plan.args.eval_sequences, len(seqs)) // per_call)
-    import torch.distributed as dist
-    from tqdm import tqdm
     it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
     bar = tqdm(range(calls), desc=f"held-out loss ({'through the codec' if masked else 'dense'}, "
                f"{calls * per_call} sequences)", unit="batch", leave=False, dynamic_ncols=True,
