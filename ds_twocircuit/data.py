@@ -11,9 +11,10 @@ seed, seq_len, i): every rank computes the same stream, picks its own share, and
 continues at the same place.
 
 Sources (``--data``):
-* ``sympy`` (default): Python, the source files of SymPy 1.14.0 (1,532 files, 9.1M training tokens with SmolLM2's tokenizer),
-  pinned: the installed distribution must be exactly that release, and the files' fingerprint
-  is checked against the one recorded here, so every machine trains and scores on the same text;
+* ``sympy`` (default): Python, the source files of SymPy 1.14.0 (1,532 files; 9.1M training
+  tokens with SmolLM2's tokenizer), pinned: the installed distribution must be exactly that
+  release, and the files' fingerprint is checked against the one recorded here, so every
+  machine trains and scores on the same text;
 * ``deepspeed-cpp``: C++/CUDA, the kernel sources DeepSpeed 0.19.8 ships (252 files), pinned the
   same way; a second domain, one document in 7 held out;
 * ``stdlib``: the running interpreter's standard library ``.py`` files (not pinned: differs
