@@ -105,7 +105,7 @@ def payload_bytes_per_token(v, hidden: int) -> int:
 
 
 def run_variant(name, args):
-    from benchnotes import heldout_loss  # launch/, next to this script
+    from benchnotes import heldout_loss, heldout_loss_se  # launch/, next to this script
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ds_twocircuit.config import CodecConfig
@@ -148,7 +148,8 @@ def run_variant(name, args):
            "tokens": args.steps * args.batch * args.seq_len, "train_loss": [], "heldout": []}
 
     def evaluate(step):
-        rec = {"step": step, "dense": heldout_loss(model, masker, hseqs, args.eval_sequences, args.micro_batch, False)}
+        loss, se = heldout_loss_se(model, masker, hseqs, args.eval_sequences, args.micro_batch, False)
+        rec = {"step": step, "dense": loss, "dense_se": se}
         if v["mode"] != "dense":
             rec["coded"] = heldout_loss(model, masker, hseqs, args.eval_sequences, args.micro_batch, True)
         log["heldout"].append(rec)
@@ -204,7 +205,8 @@ def run_variant(name, args):
     pp_bytes = 2 * (tokens - clean_tokens) * payload_bytes_per_token(v, H) + 2 * clean_tokens * H * 4 + state
     log.update({
         "train_s": round(train_s, 1), "tokens_per_s": round(tokens / train_s, 2),
-        "heldout_loss": log["heldout"][-1]["dense"], "heldout_loss_coded": log["heldout"][-1].get("coded"),
+        "heldout_loss": log["heldout"][-1]["dense"], "heldout_loss_se": log["heldout"][-1]["dense_se"],
+        "heldout_loss_coded": log["heldout"][-1].get("coded"),
         "heldout_loss_base": log["heldout"][0]["dense"],
         "pp_bytes": pp_bytes, "pp_codec_state_bytes": state,
         "pp_bytes_ratio": round(2 * tokens * H * 4 / pp_bytes, 3),
@@ -270,6 +272,7 @@ def report(args):
                      "heldout_loss": round(r["heldout_loss"], 4),
                      "heldout_loss_coded": None if r["heldout_loss_coded"] is None else round(r["heldout_loss_coded"], 4),
                      "heldout_loss_base": round(r["heldout_loss_base"], 4),
+                     "heldout_loss_se": r.get("heldout_loss_se") and round(r["heldout_loss_se"], 4),
                      "pp_bytes_ratio": r["pp_bytes_ratio"], "pp_bytes": r["pp_bytes"],
                      "pp_codec_state_bytes": r["pp_codec_state_bytes"], "tokens": r["tokens"], "seed": r["seed"],
                      "tokens_per_s": r.get("tokens_per_s"), "curve": r["heldout"], "command": r["command"],
@@ -327,7 +330,12 @@ def _write_table(out, md_path):
                      f"| {fmt(s['heldout_loss_spread'])} | {fmt(s['vs_dense'])} | {fmt(s['heldout_loss_coded_mean'])} "
                      f"| {s['pp_bytes_ratio']:.2f} | {s['tokens']:,} | {tps(s['tokens_per_s'])} |")
     base = out["rows"][0]["heldout_loss_base"] if out["rows"] else None
-    lines += ["", f"Base model (step 0, dense inference): {fmt(base)}. Recommended: `{out['recommended']}`.", ""]
+    lines += ["", f"Base model (step 0, dense inference): {fmt(base)}. Recommended: `{out['recommended']}`."]
+    ses = [r["heldout_loss_se"] for r in out["rows"] if r.get("heldout_loss_se")]
+    if ses:
+        lines.append(f"Standard error of one held-out loss: up to {max(ses):.3f} (the rows'; 'spread' is the "
+                     "seed-to-seed range): a difference is a finding only where it exceeds both.")
+    lines.append("")
     write_section(md_path, TABLE_BEGIN, TABLE_END, lines, "Quality at the same boundary bytes")
 
 

@@ -69,6 +69,12 @@ def study_parser(doc: str, variants: str, steps: int, eval_sequences: int, eval_
 def heldout_loss(model, masker, seqs, n: int, mb: int, coded: bool) -> float:
     """Mean held-out loss of the first ``n`` sequences, with the boundary codec in the graph
     (``coded``) or not; evaluation keys live in the engine's evaluation step space."""
+    return heldout_loss_se(model, masker, seqs, n, mb, coded)[0]
+
+
+def heldout_loss_se(model, masker, seqs, n: int, mb: int, coded: bool) -> tuple[float, float | None]:
+    """:func:`heldout_loss` and its standard error (that of the mean of the batch losses)."""
+    import statistics
     import torch
     from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss
@@ -81,4 +87,5 @@ def heldout_loss(model, masker, seqs, n: int, mb: int, coded: bool) -> float:
             masker.set_message(EVAL_STEP_OFFSET, i // mb)
             losses.append(float(causal_lm_loss(model(input_ids=x).logits, x)))
     masker.enabled = True
-    return sum(losses) / len(losses)
+    se = statistics.stdev(losses) / len(losses) ** 0.5 if len(losses) > 1 else None
+    return sum(losses) / len(losses), se
