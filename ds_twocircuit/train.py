@@ -322,7 +322,7 @@ def _evaluate(engine, plan, seqs, masked: bool) -> tuple[float, float | None, in
     it = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank)
     bar = tqdm(range(calls), desc=f"held-out loss ({'through the codec' if masked else 'dense'}, "
                f"{calls * per_call} sequences)", unit="batch", leave=False, dynamic_ncols=True,
-               disable=dist.get_rank() != 0)
+               disable=dist.is_initialized() and dist.get_rank() != 0)
     losses = [float(engine.eval_batch(it, dense=not masked)) for _ in bar]
     se = statistics.stdev(losses) / math.sqrt(len(losses)) if len(losses) > 1 else None
     return statistics.fmean(losses), se, calls * per_call
