@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError
+from .rng import derived_seed
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go",
                  ".rs", ".sh", ".json", ".yaml", ".yml", ".toml", ".html", ".css", ".tex", ".sql", ""}
@@ -273,8 +274,8 @@ def tokenize_documents(docs, tokenizer, desc: str = "corpus") -> np.ndarray:
     from .models.presets import _complete, _locked, _publish
 
     docs = sorted(docs, key=lambda d: d.name)
-    key = hashlib.sha256(f"{TOKENS_FORMAT}|{fingerprint(docs)}|{tokenizer_fingerprint(tokenizer)}"
-                         .encode()).hexdigest()[:32]
+    docs_fp, tok_fp = fingerprint(docs), tokenizer_fingerprint(tokenizer)
+    key = hashlib.sha256(f"{TOKENS_FORMAT}|{docs_fp}|{tok_fp}".encode()).hexdigest()[:32]
     folder = os.path.join(_cache_root(), key)
     path = os.path.join(folder, "tokens.arrow")
     with _locked(folder):
@@ -292,9 +293,9 @@ def tokenize_documents(docs, tokenizer, desc: str = "corpus") -> np.ndarray:
             out = table.map(encode, batched=True, batch_size=32, remove_columns=["text"], features=features,
                             cache_file_name=os.path.join(tmp, "tokens.arrow"), new_fingerprint=key,
                             desc=f"tokenising {desc} ({len(docs)} documents, once)")
+            tokens = sum(len(c.flatten()) for c in out.data.column("input_ids").chunks)
             with open(os.path.join(tmp, "info.json"), "w") as f:
-                json.dump({"documents": len(docs), "tokens": sum(len(x) for x in out["input_ids"]),
-                           "fingerprint": fingerprint(docs), "tokenizer": tokenizer_fingerprint(tokenizer)}, f)
+                json.dump({"documents": len(docs), "tokens": tokens, "fingerprint": docs_fp, "tokenizer": tok_fp}, f)
             del out, table
             _publish(tmp, folder)
     col = datasets.Dataset.from_file(path).data.column("input_ids")
@@ -330,7 +331,7 @@ class PackedSequences:
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             order = list(range(self.windows))
-            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(derived_seed(self._seed, "data.windows", epoch)).shuffle(order)
             self._orders = {epoch: order}  # one pass at a time is ever needed
         return self._orders[epoch]
 

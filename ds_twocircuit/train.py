@@ -328,9 +328,10 @@ def _evaluate(engine, plan, seqs, masked: bool) -> tuple[float, float | None, in
     return statistics.fmean(losses), se, calls * per_call
 
 
-def _record_eval(evals: dict, key: str, result) -> None:
+def _record_eval(evals: dict, key: str, result) -> int:
+    """Store (loss, standard error) under ``key`` and ``key_se``; return the sequences scored."""
     evals[key], evals[key + "_se"], scored = result
-    evals["heldout_sequences"] = scored
+    return scored
 
 
 def _gather_hf_state(engine, spec, world, lora: bool = False):
@@ -670,9 +671,9 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
         link = AnchorLink(engine, plan, world)
     stream = MicroBatchStream(train_seqs, plan.mb, plan.gas, plan.dp, engine.dp_rank, start_step=start_step)
 
-    evals = {}
+    evals, scored = {}, 0
     if evaluate:
-        _record_eval(evals, "heldout_loss_first", _evaluate(engine, plan, held_seqs, masked=False))
+        scored = _record_eval(evals, "heldout_loss_first", _evaluate(engine, plan, held_seqs, masked=False))
         if tc.mode != "dense":
             _record_eval(evals, "heldout_loss_masked_first", _evaluate(engine, plan, held_seqs, masked=True))
 
@@ -723,7 +724,7 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     replicas_identical = _replicas_identical(engine, plan)
     anchor_stats = link.finish() if link is not None else None
     if evaluate:
-        _record_eval(evals, "heldout_loss", _evaluate(engine, plan, held_seqs, masked=False))
+        scored = _record_eval(evals, "heldout_loss", _evaluate(engine, plan, held_seqs, masked=False))
         if tc.mode != "dense":
             _record_eval(evals, "heldout_loss_masked", _evaluate(engine, plan, held_seqs, masked=True))
 
@@ -745,7 +746,7 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
                            anchor_stats, dp_final_bytes, dp_init_bytes)
-        summary["data"] = {**data_info, "heldout_scored_tokens": evals.pop("heldout_sequences", 0) * args.seq_len}
+        summary["data"] = {**data_info, "heldout_scored_tokens": scored * args.seq_len}
         summary["parameters"] = params  # (LoRA: the adapters train, and only they cross the DP link)
         if state is not None:
             save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
@@ -858,7 +859,7 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
         "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
         "eval_wire_bytes": totals["pp_eval"],
         "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
-        **{k: (round(v, 5) if v is not None else None) for k, v in evals.items() if k != "heldout_sequences"},
+        **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},
     }
 
 

@@ -133,7 +133,7 @@ def test_fingerprint_depends_on_names_and_contents_only():
     assert fp == h.hexdigest()
 
 
-def test_a_modified_or_wrong_release_is_refused(tmp_path, monkeypatch):
+def test_a_modified_or_wrong_release_is_refused():
     pc = PINNED["deepspeed-cpp"]
     fake = dataclasses.replace(pc, fingerprint="0" * 64)
     with pytest.raises(ConfigError, match=r"not the pinned deepspeed 0\.19\.8.*pip install --force-reinstall"):
