@@ -239,7 +239,7 @@ def report(args):
         hc = [r["heldout_loss_coded"] for r in rs if r["heldout_loss_coded"] is not None]
         summary.append({
             "variant": name, "seeds": sorted(r["seed"] for r in rs),
-            "heldout_loss_mean": sum(hl) / len(hl), "heldout_loss_spread": max(hl) - min(hl),
+            "heldout_loss_mean": sum(hl) / len(hl), "heldout_loss_spread": max(hl) - min(hl) if len(hl) > 1 else None,
             "heldout_loss_coded_mean": sum(hc) / len(hc) if hc else None,
             "vs_dense": (sum(hl) / len(hl) / d if (d := dense_mean([r["seed"] for r in rs])) else None),
             "pp_bytes_ratio": rs[0]["pp_bytes_ratio"], "tokens": rs[0]["tokens"],
