@@ -303,7 +303,8 @@ def report(args):
     axes[0].set_title("held-out loss, dense inference")
     axes[1].set_title("held-out loss, through the codec (log scale)")
     axes[1].set_yscale("log")
-    axes[0].set_ylim(2.3, 3.5)
+    dense_values = [c["dense"] for r in out["rows"] for c in r["curve"]]
+    axes[0].set_ylim(min(dense_values) - 0.05, min(max(dense_values) + 0.05, 3.5))  # M95 runs far above
     for ax in axes:
         ax.set_xlabel("step (8 x 128 tokens)")
         ax.axhline(out["rows"][0]["heldout_loss_base"], color="gray", lw=0.8, ls=":")
