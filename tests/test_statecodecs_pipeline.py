@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from launch_helpers import read_summary, torchrun
+from launch_helpers import read_summary, read_weights, torchrun
 from test_pipeline_equivalence import SEQ, STEPS, _compare, _config, reference
 
 pytestmark = pytest.mark.multiproc
@@ -32,7 +32,15 @@ def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, n
     torchrun(pp * dp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
                        "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
     ref_losses, ref_state = reference(cfg, pp, dp)
-    _compare(out, ref_losses, ref_state, atol=2e-6)
+    # 4-bit coefficients: the two computations' different float reduction orders (which differ
+    # between CPUs) can move a coefficient that sits on a rounding edge by one level, which moves
+    # the weights it feeds by ~lr x 1e-4 (seen: max 1e-5, mean 4e-8 at pp 2 x dp 2); the bulk of the
+    # weights must agree far more tightly than an uncoded run's (which lands >10x that mean away)
+    _compare(out, ref_losses, ref_state, atol=1e-4, mean_atol=5e-7)
+    _, dense_state = reference({**cfg, "twocircuit": {**cfg["twocircuit"], "mode": "dense"}}, pp, dp)
+    w = read_weights(os.path.join(out, "hf"))
+    n = sum(w[k].numel() for k in w)
+    assert sum(float((w[k] - dense_state[k]).abs().sum()) for k in w) / n > 10 * 5e-7
     s = read_summary(out)
     H, r = 64, 24
     tokens_per_link = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
