@@ -25,9 +25,6 @@ from .config import ConfigError, TwoCircuitConfig, check_deepspeed_section, load
 
 DEFAULT_CONFIG = "ds_configs/lowrank.json"  # resolved by config.resolve_config after any install
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
-                   "merges.txt")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,66 +329,6 @@ def _record_eval(evals: dict, key: str, result) -> int:
     """Store (loss, standard error) under ``key`` and ``key_se``; return the sequences scored."""
     evals[key], evals[key + "_se"], scored = result
     return scored
-
-
-def _gather_hf_state(engine, spec, world, lora: bool = False):
-    """All stage weights under HF names (``lora``: the adapters under PEFT's names) on global
-    rank 0 (one stage at a time)."""
-    import torch.distributed as dist
-    from .adapters.pipe_module import stage_adapter_state, stage_hf_state
-    state = {}
-    if engine.grid.get_data_parallel_id() == 0:
-        state = stage_adapter_state(engine.module) if lora else stage_hf_state(engine.module, spec)
-    gathered = [None] * world.size if world.rank == 0 else None
-    dist.gather_object(state, gathered, dst=0)
-    if world.rank != 0:
-        return None
-    out = {}
-    for part in gathered:
-        out.update(part)
-    return out
-
-
-def save_hf_folder(state: dict, plan, out: str) -> None:
-    """Write ``state`` (HF names) plus config and tokenizer as a save_pretrained folder; with
-    LoRA, ``state`` holds the adapters and the folder is a PEFT adapter folder (its config names
-    the base model)."""
-    from safetensors.torch import save_file
-
-    tmp = out + ".partial"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    if plan.tc.lora.enabled:
-        from .lora import save_adapter_folder
-        save_adapter_folder(state, plan.tc.lora, plan.model_folder, tmp)
-        _copy_tokenizer(plan.model_folder, tmp)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        return
-    cfg = json.load(open(os.path.join(plan.model_folder, "config.json")))
-    tied_kept = plan.spec.tied and plan.tc.tied_embeddings in ("sync", "freeze")
-    if plan.spec.tied and not tied_kept:
-        cfg["tie_word_embeddings"] = False
-    if tied_kept:
-        state.pop("lm_head.weight", None)
-    cfg["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt"})
-    _copy_tokenizer(plan.model_folder, tmp)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-
-
-def _copy_tokenizer(model_folder: str, out: str) -> None:
-    for fn in TOKENIZER_FILES:
-        src = os.path.join(model_folder, fn)
-        if os.path.isfile(src):
-            shutil.copy(src, out)
 
 
 def log0(is_rank0: bool, msg: str) -> None:
@@ -735,6 +672,10 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     counts = {"dp_final_sync": dp_final_local, "dp_init": dp_init_local,
               "trainable": sum(p.numel() for p in engine.module.parameters() if p.requires_grad) if first_replica else 0,
               "parameters": sum(p.numel() for p in engine.module.parameters()) if first_replica else 0}
+    hf_dir = None
+    if not args.no_save_model:   # each stage writes its own shard: no weight crosses a link
+        from .adapters.export import export_hf_folder
+        hf_dir = export_hf_folder(engine, plan, world, os.path.join(out_dir, "hf"))
     totals = _allreduce_wire(world, counts)
     dp_final_bytes = totals.pop("dp_final_sync")
     dp_init_bytes = totals.pop("dp_init")
@@ -742,15 +683,13 @@ def run_fast(plan, world, progress: Progress | None = None) -> int:
     timing = {k: float(v) for k, v in engine.timing.items()}
     timing.update({f"dp_{k}": v for k, v in log.dp_comm.items()})
     timing = sum_over_ranks(timing, world)
-    state = None if args.no_save_model else _gather_hf_state(engine, plan.spec, world, tc.lora.enabled)
     if is_rank0:
         summary = _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical,
                            anchor_stats, dp_final_bytes, dp_init_bytes)
         summary["data"] = {**data_info, "heldout_scored_tokens": scored * args.seq_len}
         summary["parameters"] = params  # (LoRA: the adapters train, and only they cross the DP link)
-        if state is not None:
-            save_hf_folder(state, plan, os.path.join(out_dir, "hf"))
-            summary["hf_folder"] = os.path.join(out_dir, "hf")
+        if hf_dir is not None:
+            summary["hf_folder"] = hf_dir
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, out_dir)
@@ -825,11 +764,12 @@ def _checkpoint(engine, plan, ckpt_dir: str, progress: Progress) -> None:
 
 def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replicas_identical, anchor_stats,
              dp_final_bytes=0, dp_init_bytes=0):
+    from . import wire
     args, tc = plan.args, plan.tc
     steps_run = args.steps - start_step
     tokens = log.tokens_per_step * steps_run
     wire_bytes = {k: totals[k] for k in ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake",
-                                          "pp_tied", "dp", "anchor")}
+                                          "pp_tied", "dp", "anchor", "export")}
     return {
         "config": {"file": args.config, "twocircuit": tc.to_dict(), "model": args.model,
                    "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
@@ -856,7 +796,7 @@ def _summary(plan, engine, log, totals, timing, evals, wall, start_step, replica
                           else engine.schedule_p.keep(engine.global_steps - 1, plan.spec.hidden)),
         "hidden_size": plan.spec.hidden,
         "wire_bytes": wire_bytes,
-        "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
+        "bytes_per_token": round(sum(wire_bytes[k] for k in wire.TRAINING_KINDS) / tokens, 3),
         "eval_wire_bytes": totals["pp_eval"],
         "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
         **{k: (round(v, 5) if v is not None else None) for k, v in evals.items()},

@@ -11,13 +11,18 @@ Kinds used by the project:
   pp_eval                       -- boundary traffic of evaluation passes (not training traffic)
   dp                            -- data-parallel synchronisation (all-reduce, PowerSGD, DiLoCo)
   anchor                        -- anchor-circuit snapshots and anchor gradients
+  export                        -- the end-of-run model export (adapters/export.py): what is sent to
+                                   rank 0 (LoRA adapters; shard metadata when rank 0 cannot see a
+                                   stage's shard); each stage writes its own weights (not training
+                                   traffic: outside TRAINING_KINDS and bytes_per_token)
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
 
-KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "pp_eval", "dp", "anchor")
+KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "pp_eval", "dp", "anchor",
+         "export")
 TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "dp", "anchor")
 
 _lock = threading.Lock()

@@ -201,6 +201,10 @@ def load_checkpoint(spec: str, device: str = "cpu", dtype: str = "auto",
         if info["kind"] in ("hf", "preset"):
             folder = info["hf_folder"]
             tok_folder = folder
+            from ds_twocircuit.export import MERGE_HINT, missing_shards
+            if missing_shards(folder):   # a multi-node run without a shared output folder
+                raise CheckpointError(f"{folder}: {', '.join(missing_shards(folder))} named by its index "
+                                      f"missing; {MERGE_HINT}")
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         elif info["kind"] == "adapter":
             from peft import PeftModel

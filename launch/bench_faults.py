@@ -72,8 +72,8 @@ def _launch(kind: str, n: int, args: list[str], fault: str | None = None, restar
 
 
 def _weights(out: str):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(out, "hf", "model.safetensors"))
+    from ds_twocircuit.export import read_state
+    return read_state(os.path.join(out, "hf"))     # one shard per pipeline stage
 
 
 def _equal(a: str, b: str) -> bool:

@@ -55,5 +55,6 @@ def read_summary(out_dir) -> dict:
 
 
 def read_weights(hf_dir) -> dict:
-    from safetensors.torch import load_file
-    return load_file(os.path.join(hf_dir, "model.safetensors"))
+    """Every tensor of a run's hf/ folder (one shard per pipeline stage, or one file)."""
+    from ds_twocircuit.export import read_state
+    return read_state(hf_dir)

@@ -88,6 +88,12 @@ def test_masked_pipeline_with_lora_matches_single_process_reference(tmp_path):
     s = read_summary(out)
     assert s["parameters"]["trainable"] == sum(v.numel() for v in adapters.values())
     assert s["config"]["twocircuit"]["lora"]["r"] == 4
+    # the export: stage 1 sends its adapters to rank 0 (safetensors bytes after an 8-byte length)
+    from safetensors.torch import save
+    parts = s["mesh"]["parts"]          # pipeline layers; decoder i is pipeline layer i + 1
+    stage1 = {k: v for k, v in adapters.items() if parts[1] <= int(k.split(".")[4]) + 1 < parts[2]}
+    assert 0 < len(stage1) < len(adapters)
+    assert s["wire_bytes"]["export"] == 8 + len(save(stage1))
 
 
 @pytest.mark.multiproc
@@ -98,6 +104,7 @@ def test_lora_dp_bytes_are_the_adapters_and_the_folder_loads_onto_the_base(tmp_p
     assert trainable < s["parameters"]["total"] / 10
     # a ring all-reduce of the fp32 adapter gradients per step, 2 ranks: 4 bytes x trainable each
     assert s["wire_bytes"]["dp"] == STEPS * 2 * 4 * trainable
+    assert s["wire_bytes"]["export"] == 0                    # one stage: rank 0 holds its adapters
     folder = os.path.join(out, "hf")
     cfg = json.load(open(os.path.join(folder, "adapter_config.json")))
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and os.path.isdir(cfg["base_model_name_or_path"])
