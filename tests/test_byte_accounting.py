@@ -19,7 +19,7 @@ def _run(tmp_path, name, mode, rate, wire):
     path.write_text(json.dumps(cfg))
     out = str(tmp_path / name)
     torchrun(2, ["--model", "tiny", "--deepspeed", str(path), "--pp", "2", "--steps", str(STEPS),
-                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0", "--no-save-model"])
+                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
     return read_summary(out), cfg
 
 
@@ -42,3 +42,5 @@ def test_m95_bytes_are_k_over_h_of_dense(tmp_path):
         ratio = wb["pp_activations"] / mb["pp_activations"]
         assert ratio == pytest.approx(H / K * 4 / size)
         assert mb["dp"] == 0 and mb["pp_tied"] == 0
+        assert mb["export"] == 0                  # each stage wrote its own shard of hf/
+    assert wb["export"] == 0 and os.path.isfile(os.path.join(tmp_path, "dense", "hf", "model.safetensors.index.json"))

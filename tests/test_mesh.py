@@ -13,17 +13,23 @@ pytestmark = pytest.mark.multiproc
 
 
 def test_kernel_counts_what_the_project_counts(tmp_path):
+    """PP = 2 with the model export on (the default): each stage writes its own shard of hf/, so
+    the kernel sees no weight cross (the old gather to rank 0 sent stage 1's 0.38 MB of weights
+    on 1->0, outside the allowance for framing and control messages)."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "2", "--mbit", "100", "--",
            "launch/train.py", "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense.json"),
-           "--steps", "4", "--seq-len", "256", "--eval-sequences", "0", "--no-save-model", "--output-dir", out]
+           "--steps", "4", "--seq-len", "256", "--eval-sequences", "0", "--output-dir", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = read_summary(out)
     mesh = json.load(open(os.path.join(out, "mesh.json")))
     ours_fwd = s["wire_bytes"]["pp_activations"] + s["wire_bytes"]["pp_handshake"] + s["wire_bytes"]["pp_codec_state"]
-    ours_bwd = s["wire_bytes"]["pp_gradients"]
+    ours_bwd = s["wire_bytes"]["pp_gradients"] + s["wire_bytes"]["export"]
     assert ours_fwd > 2_000_000
+    assert s["wire_bytes"]["export"] == 0 and s["hf_folder"] == os.path.join(out, "hf")
+    # stage 1's weights, which the gather sent and now stay on stage 1
+    assert os.path.getsize(os.path.join(out, "hf", "model-00002-of-00002.safetensors")) > 300_000
     for link, ours in (("0->1", ours_fwd), ("1->0", ours_bwd)):
         kernel = mesh["kernel_bytes"][link]
         # payload + TCP/IP headers (~3-4%) + rendezvous and scalar collectives (tens of KB)
@@ -105,14 +111,14 @@ def test_kernel_counts_the_dp_bytes_the_project_counts(tmp_path, cfg):
     out = str(tmp_path / "run")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "2", "--mbit", "100", "--",
            "launch/train.py", "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, cfg), "--pp", "1",
-           "--dp", "2", "--steps", "12", "--seq-len", "256", "--eval-sequences", "0", "--no-save-model",
-           "--output-dir", out]
+           "--dp", "2", "--steps", "12", "--seq-len", "256", "--eval-sequences", "0", "--output-dir", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = read_summary(out)
     mesh = json.load(open(os.path.join(out, "mesh.json")))
     wb = s["wire_bytes"]
     assert sum(v for k, v in wb.items() if k.startswith("pp_")) == 0 and wb["dp"] > 0
+    assert wb["export"] == 0          # one stage: rank 0 writes hf/, the other replica sends nothing
     per_rank = wb["dp"] // 2  # two replicas, each sends half of every ring all-reduce's total
     assert s["dp_init_broadcast_bytes"] == 0 and s["parameters"]["total"] * 4 > 700_000
     for link, ours in (("0->1", per_rank), ("1->0", per_rank)):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from ds_twocircuit.export import INDEX, missing_shards
 from launch_helpers import CONFIGS, ROOT, env, read_summary
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -19,14 +20,17 @@ MESH = os.path.join(ROOT, "launch", "mesh.py")
 def _mesh(nodes, launcher, train_args, out, procs_per_node=1, timeout=600):
     cmd = [sys.executable, MESH, "--ranks", str(nodes), "--procs-per-node", str(procs_per_node), "--mbit", "100",
            "--per-node-launcher", launcher, "--timeout", str(timeout - 60), "--",
-           "launch/train.py", "--model", "tiny", *train_args, "--eval-sequences", "0", "--no-save-model",
-           "--output-dir", out]
+           "launch/train.py", "--model", "tiny", *train_args, "--eval-sequences", "0", "--output-dir", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     mesh = json.load(open(os.path.join(out, "mesh.json")))
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert mesh["namespace_prefix"] not in left         # this run's namespaces are gone
-    return read_summary(out), mesh
+    s = read_summary(out)
+    # the model export (on): each stage writes its shard into the folder the nodes share here
+    hf = os.path.join(out, "hf")
+    assert s["wire_bytes"]["export"] == 0 and os.path.isfile(os.path.join(hf, INDEX)) and not missing_shards(hf)
+    return s, mesh
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "torchrun-c10d"])
