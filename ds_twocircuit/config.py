@@ -13,7 +13,8 @@ from typing import Any
 
 from .configkit import (ConfigError, check_choice, check_int, check_keys, check_range,  # noqa: F401
                         typed_fields)
-from .dp.config import DPConfig
+from .dp.config import BackendConfig
+from .dp.registry import config_from_dict
 
 
 def _build(cls, d: dict | None, prefix: str, **given):
@@ -144,7 +145,7 @@ class TwoCircuitConfig:
     mask_seed: int | None = None    # run seed of the PRF (None: the --seed flag)
     partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
-    dp: DPConfig = field(default_factory=DPConfig)
+    dp: BackendConfig = field(default_factory=config_from_dict)  # the backend's own config class
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
@@ -185,7 +186,7 @@ class TwoCircuitConfig:
                             spectral=_build(SpectralConfig, spectral, f"{prefix}.anchor.spectral"))
         # the DP section is validated here too: errors come before any process group
         return _build(cls, d, prefix, codec=_build(CodecConfig, codec, f"{prefix}.codec"),
-                      anchor=anchor_cfg, dp=DPConfig.from_dict(dp, prefix=f"{prefix}.dp"),
+                      anchor=anchor_cfg, dp=config_from_dict(dp, prefix=f"{prefix}.dp"),
                       lora=_build(LoRAConfig, lora, f"{prefix}.lora"))
 
     def to_dict(self) -> dict[str, Any]:

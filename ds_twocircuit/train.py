@@ -268,23 +268,9 @@ def make_plan(args, world_size: int) -> Plan:
     if args.lr is not None:
         params["lr"] = args.lr
     optimizer = (OPTIMIZERS[otype.lower()], params)
-    if tc.dp.backend in ("diloco", "streaming_diloco"):
-        zero = (ds.get("zero_optimization") or {}).get("stage", 0)
-        if zero >= 1:
-            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp.backend!r} keeps "
-                              f"replicas apart between syncs; zero_optimization.stage = {zero} re-syncs "
-                              "them every step. Use stage 0.")
-        if (ds.get("fp16") or {}).get("enabled"):
-            from .adapters.plain_engine import FP16_DILOCO
-            raise ConfigError(f"{args.config}: " + FP16_DILOCO.format(backend=tc.dp.backend))
-        if (ds.get("bf16") or {}).get("enabled") and pp > 1:
-            raise ConfigError(f"{args.config}: twocircuit.dp.backend = {tc.dp.backend!r} cannot run "
-                              "with bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "
-                              "re-syncs replicas every step); use fp32 or fp16")
-    if tc.dp.backend == "streaming_diloco" and spec.tied and tc.tied_embeddings == "sync" and pp > 1:
-        raise ConfigError(f"{args.config}: twocircuit.dp.backend = 'streaming_diloco' with "
-                          "twocircuit.tied_embeddings = 'sync' would sync the two copies of the tied "
-                          "embedding in different fragments (they drift apart); use 'untie' or 'freeze'")
+    # what the DP backend cannot run with (its own rules, dp/<backend>.py)
+    tc.dp.check_deepspeed(ds, pp=pp, where=args.config, tied_embeddings=tc.tied_embeddings,
+                          model_tied=spec.tied)
     return Plan(args=args, config_name=config_name, tc=tc, ds_config=ds, pp=pp, dp=dp, z=z,
                 anchor_ranks=anchor_ranks, model_folder=model_folder, spec=spec, parts=parts,
                 train_docs=train_docs, heldout_docs=heldout_docs, data_fingerprint=data_fingerprint, mb=mb, gas=gas, optimizer=optimizer,

@@ -87,7 +87,7 @@ def dp_imbalance(row: dict) -> float:
 
 def dp_schedule(config: str | None) -> dict:
     """The cost model's ``dp_sync_every`` / ``dp_overlap_steps`` for a config's DP backend
-    (:meth:`DPConfig.sync_schedule`)."""
+    (the ``sync_schedule`` of the backend's own config class, ds_twocircuit/dp/<backend>.py)."""
     if not config:
         return {}
     from bench_table1 import dp_config

@@ -147,6 +147,22 @@ def test_streaming_diloco_refuses_synced_tied_embeddings(tmp_path):
         _plan(tmp_path, ["--deepspeed", _cfg(tmp_path, dp=dp, tied_embeddings="sync")])
 
 
+SHIPPED_WITH_DP = sorted(os.path.join(d, f) for d in (CONFIGS, os.path.join(CONFIGS, "accelerate"))
+                         for f in os.listdir(d) if f.endswith(".json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_WITH_DP, ids=os.path.basename)
+def test_shipped_dp_section_is_recorded_as_its_backend_and_its_own_keys(path):
+    """summary.json's config.twocircuit.dp: the backend's name and its own keys, with what the file
+    says (defaults filled in), and none of another backend's keys."""
+    raw = json.load(open(path))["twocircuit"]
+    tc = TwoCircuitConfig.from_dict(raw)
+    dp, d = tc.dp, json.loads(json.dumps(tc.to_dict()))["dp"]
+    assert set(d) == {"backend"} | type(dp).keys() and d["backend"] == raw["dp"]["backend"]
+    for k, v in raw["dp"].items():
+        assert ({kk: d[k][kk] for kk in v} if isinstance(v, dict) else d[k]) == v, k
+
+
 def test_anchor_launch_shapes(tmp_path):
     plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95_ap.json"), "--pp", "2",
                             "--anchor-replicas", "1"], world=4)

@@ -119,12 +119,13 @@ def test_table1_paper_equivalent_rate_and_steady_state():
     assert [t1.link_kind(k) for k in ("0->1", "3->2", "0->2", "3->1", "0->3", "4->0", "stage0<->anchor")] == \
         ["dp", "dp", "pp", "pp", "pp", None, None]
     # the schedule comes from the parsed section: Streaming DiLoCo's default F = 4 when unset
-    from ds_twocircuit.dp.config import DPConfig
-    assert DPConfig.from_dict({"backend": "streaming_diloco", "inner_steps": 8}).sync_schedule() == (8, 2, 1)
-    assert DPConfig.from_dict({"backend": "streaming_diloco", "inner_steps": 8,
-                               "overlap": False}).sync_schedule() == (8, 2, 0)
-    assert DPConfig.from_dict({"backend": "diloco", "inner_steps": 6}).sync_schedule() == (6, 6, 0)
-    assert DPConfig.from_dict({"backend": "powersgd"}).sync_schedule() == (1, 1, 0)
+    from ds_twocircuit.dp.registry import config_from_dict
+    assert config_from_dict({"backend": "streaming_diloco", "inner_steps": 8}).sync_schedule() == (8, 2, 1)
+    assert config_from_dict({"backend": "streaming_diloco", "inner_steps": 8,
+                             "overlap": False}).sync_schedule() == (8, 2, 0)
+    assert config_from_dict({"backend": "diloco", "inner_steps": 6}).sync_schedule() == (6, 6, 0)
+    assert config_from_dict({"backend": "powersgd"}).sync_schedule() == (1, 1, 0)
+    assert config_from_dict({"backend": "allreduce"}).sync_schedule() == (1, 1, 0)
     # bytes by kind per token and the busiest link: DiLoCo syncs scaled to their steady rate
     summary = {"tokens": 4000, "steps": 4, "anchor": None, "dp_final_sync_bytes": 1000,
                "wire_bytes": {"pp_activations": 8000, "pp_gradients": 4000, "pp_codec_state": 400, "pp_handshake": 200,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,10 +20,15 @@ from ds_twocircuit import wire
 from ds_twocircuit.dp import registry
 from ds_twocircuit.adapters.comm import dp_comm
 from ds_twocircuit.dp.base import Collective, Communicator, DPBackend, NonFiniteGradientError
-from ds_twocircuit.dp.config import DPConfig, PowerSGDConfig
-from ds_twocircuit.dp.diloco import StreamingDiLoCo, split_fragments
-from ds_twocircuit.dp.powersgd import PowerSGDCompressor, orthogonalize_
-from ds_twocircuit.dp.registry import build_backend, get_backend
+from ds_twocircuit.config import TwoCircuitConfig
+from ds_twocircuit.configkit import ConfigError
+from ds_twocircuit.dp.allreduce import AllReduceConfig
+from ds_twocircuit.dp.config import BackendConfig, OptionsConfig, RunSettings, int_in, setting
+from ds_twocircuit.dp.diloco import (DiLoCoConfig, StreamingDiLoCo, StreamingDiLoCoConfig,
+                                     split_fragments)
+from ds_twocircuit.dp.powersgd import (PowerSGDBackendConfig, PowerSGDCompressor, PowerSGDConfig,
+                                       orthogonalize_)
+from ds_twocircuit.dp.registry import build_backend, config_from_dict, get_backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,11 +581,18 @@ def test_nan_guard_pseudo_gradients(fake_dp_world, backend):
 # config and registry
 
 def test_config_defaults():
-    c = DPConfig.from_dict({})
-    assert c.backend == "allreduce" and c.inner_steps == 10 and c.outer_lr == 0.7
+    assert config_from_dict({}) == config_from_dict(None) == AllReduceConfig()
+    assert config_from_dict({}).to_dict() == {"backend": "allreduce"}
+    assert config_from_dict({"backend": "powersgd"}).powersgd == PowerSGDConfig(
+        64, 10, 2.0, True, True, 0.0, 0)
+    c = config_from_dict({"backend": "streaming_diloco"})
+    assert type(c) is StreamingDiLoCoConfig and c.backend == "streaming_diloco"
+    assert c.inner_steps == 10 and c.outer_lr == 0.7
     assert c.outer_momentum == 0.9 and c.nesterov and c.num_fragments == 4 and c.overlap
     assert c.overlap_steps == 1 and c.merge_alpha == 0.5 and c.compression is None
     assert c.powersgd == PowerSGDConfig(64, 10, 2.0, True, True, 0.0, 0)
+    d = config_from_dict({"backend": "diloco"})
+    assert type(d) is DiLoCoConfig and d == DiLoCoConfig() and not hasattr(d, "num_fragments")
 
 
 @pytest.mark.parametrize("d,key", [
@@ -606,13 +619,13 @@ def test_config_defaults():
 ])
 def test_config_refuses_bad_keys(d, key):
     with pytest.raises(ValueError) as ei:
-        DPConfig.from_dict(d)
+        config_from_dict(d)
     assert key in str(ei.value)
 
 
 def test_config_unknown_key_lists_allowed_and_custom_prefix():
     with pytest.raises(ValueError, match="allowed keys under x.y: .*inner_steps"):
-        DPConfig.from_dict({"sync_every": 3}, prefix="x.y")
+        config_from_dict({"sync_every": 3}, prefix="x.y")
 
 
 def test_backend_refuses_other_backend_config():
@@ -630,9 +643,7 @@ def test_registry_builtins_unknown_and_third_party():
         get_backend("nope")
 
     @registry.register_backend("test_halving")
-    class Halving(DPBackend):
-        config_keys = frozenset({"options"})
-
+    class Halving(DPBackend):  # no config class: the default holds one free-form "options" object
         def reduce_gradients(self, step):
             for g in self._grads():
                 g.mul_(self.cfg.options.get("factor", 0.5))
@@ -645,10 +656,153 @@ def test_registry_builtins_unknown_and_third_party():
                                                    "options": {"factor": 0.25}})
         b.reduce_gradients(0)
         assert torch.equal(p.grad, torch.full((3,), 0.25))
+        assert type(b.cfg) is OptionsConfig and b.cfg.backend == "test_halving"
+        with pytest.raises(ConfigError, match=r"twocircuit\.dp\.inner_steps is not used by twocircuit"
+                                              r"\.dp\.backend='test_halving' \(keys it uses: options\)"):
+            config_from_dict({"backend": "test_halving", "inner_steps": 2})
         with pytest.raises(ValueError, match="already registered"):
             registry.register_backend("test_halving")(type("Other", (DPBackend,), {}))
     finally:
         registry._REGISTRY.pop("test_halving", None)
+
+
+# a key of each other built-in backend: its own class refuses it, named, with the backend
+FOREIGN = {"allreduce": ("powersgd", "inner_steps", "num_fragments"),
+           "powersgd": ("inner_steps", "compression", "overlap"),
+           "diloco": ("num_fragments", "overlap_steps", "merge_alpha", "options"),
+           "streaming_diloco": ("options",)}
+
+
+@pytest.mark.parametrize("backend,foreign", [(b, k) for b, ks in FOREIGN.items() for k in ks])
+def test_each_backend_config_refuses_another_backends_key(backend, foreign):
+    cls = get_backend(backend).config_class
+    assert foreign not in cls.keys()
+    value = {"powersgd": {}, "options": {}, "compression": "powersgd", "overlap": True}.get(foreign, 2)
+    d = {"backend": backend, foreign: value}
+    for parse in (cls.from_dict, config_from_dict,
+                  lambda d: TwoCircuitConfig.from_dict({"dp": d}).dp):
+        with pytest.raises(ConfigError) as ei:
+            parse(d)
+        msg = str(ei.value)
+        assert msg.startswith(f"twocircuit.dp.{foreign} is not used by twocircuit.dp.backend={backend!r}")
+        assert "remove it" in msg
+    with pytest.raises(ConfigError, match=foreign):    # a backend built directly from a dict too
+        get_backend(backend)([("p", nn.Parameter(torch.zeros(2)))], None, {foreign: value})
+
+
+def test_backend_configs_own_their_keys():
+    """No class holds another backend's fields; the DP section lists the backend and its keys."""
+    assert AllReduceConfig.keys() == frozenset()
+    assert PowerSGDBackendConfig.keys() == {"powersgd"}
+    assert DiLoCoConfig.keys() == {"inner_steps", "outer_lr", "outer_momentum", "nesterov",
+                                   "compression", "powersgd"}
+    assert StreamingDiLoCoConfig.keys() == DiLoCoConfig.keys() | {"num_fragments", "overlap",
+                                                                  "overlap_steps", "merge_alpha"}
+    assert OptionsConfig.keys() == {"options"}
+    for name in registry.BUILTIN_BACKENDS:
+        cls = get_backend(name).config_class
+        assert cls.own_backend() == name and cls().backend == name
+        assert set(cls().to_dict()) == {"backend"} | cls.keys()
+    with pytest.raises(ConfigError, match=r"twocircuit\.dp\.backend is 'powersgd' but DiLoCoConfig"):
+        DiLoCoConfig.from_dict({"backend": "powersgd"})
+    with pytest.raises(ConfigError, match="reads a StreamingDiLoCoConfig, got a DiLoCoConfig"):
+        StreamingDiLoCo([("p", nn.Parameter(torch.zeros(2)))], None,
+                        DiLoCoConfig(backend="streaming_diloco"))
+
+
+def test_sync_schedule_lives_with_each_backend_config():
+    assert AllReduceConfig().sync_schedule() == (1, 1, 0)
+    assert PowerSGDBackendConfig().sync_schedule() == (1, 1, 0)
+    assert DiLoCoConfig(inner_steps=6).sync_schedule() == (6, 6, 0)
+    assert StreamingDiLoCoConfig(inner_steps=8).sync_schedule() == (8, 2, 1)
+    assert StreamingDiLoCoConfig(inner_steps=8, overlap=False).sync_schedule() == (8, 2, 0)
+
+
+@dataclass(frozen=True)
+class _EveryKConfig(BackendConfig):
+    """A third party's own settings: one ranged key, one contradiction rule."""
+    backend: str = "test_every_k"
+    every: int = setting(2, check=int_in(1, 100))
+    scale: float = 1.0   # no check given: its type is still checked
+
+    def check_consistency(self, given, prefix):
+        if self.every > 50 and "scale" not in given:
+            raise ConfigError(f"{prefix}.every > 50 needs {prefix}.scale")
+
+
+def test_third_party_config_class_validates_through_the_entry_point():
+    @registry.register_backend("test_every_k")
+    class EveryK(DPBackend):
+        config_class = _EveryKConfig
+
+        def reduce_gradients(self, step):
+            if step % self.cfg.every == 0:
+                for g in self._grads():
+                    g.mul_(self.cfg.scale)
+
+    try:
+        assert "every" in registry.known_keys()
+        c = TwoCircuitConfig.from_dict({"dp": {"backend": "test_every_k", "every": 3}}).dp
+        assert c == _EveryKConfig(every=3) and c.to_dict() == {"backend": "test_every_k", "every": 3,
+                                                               "scale": 1.0}
+        for d, msg in [({"every": 0}, r"twocircuit\.dp\.every = 0 is outside the allowed range \[1, 100\]"),
+                       ({"scale": "x"}, r"twocircuit\.dp\.scale must be a number, got 'x'"),
+                       ({"every": 60}, r"twocircuit\.dp\.every > 50 needs twocircuit\.dp\.scale"),
+                       ({"inner_steps": 3}, r"twocircuit\.dp\.inner_steps is not used by twocircuit\.dp"
+                                            r"\.backend='test_every_k' \(keys it uses: every, scale\)"),
+                       ({"evry": 3},
+                        r"unknown key twocircuit\.dp\.evry; allowed keys under twocircuit\.dp:")]:
+            with pytest.raises(ConfigError, match=msg):
+                TwoCircuitConfig.from_dict({"dp": {"backend": "test_every_k", **d}})
+        p = nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        b = build_backend([("p", p)], None, {"backend": "test_every_k", "every": 1, "scale": 0.5})
+        b.reduce_gradients(0)
+        assert torch.equal(p.grad, torch.full((3,), 0.5)) and b.cfg.scale == 0.5
+        with pytest.raises(ValueError, match="config_class must be a subclass"):
+            registry.register_backend("test_bad_config")(type("Bad", (DPBackend,), {"config_class": dict}))
+        with pytest.raises(ValueError, match="is for backend 'test_every_k'"):
+            registry.register_backend("test_other")(type("Other", (DPBackend,),
+                                                         {"config_class": _EveryKConfig}))
+    finally:
+        for n in ("test_every_k", "test_bad_config", "test_other"):
+            registry._REGISTRY.pop(n, None)
+
+
+@pytest.mark.parametrize("backend,run,message", [
+    ("diloco", RunSettings(zero_stage=1), r"^c\.json: twocircuit\.dp\.backend = 'diloco' keeps replicas "
+                                          r"apart between syncs; zero_optimization\.stage = 1 re-syncs"),
+    ("streaming_diloco", RunSettings(fp16=True), r"^c\.json: twocircuit\.dp\.backend = 'streaming_diloco' "
+                                                 r"cannot run with fp16\.enabled"),
+    ("diloco", RunSettings(bf16=True, pp=2), r"bf16\.enabled under pipeline parallelism"),
+    ("streaming_diloco", RunSettings(pp=2, tied_embeddings="sync", model_tied=True),
+     r"tied_embeddings = 'sync' would sync the two copies"),
+])
+def test_backend_refuses_deepspeed_settings_it_cannot_run_with(backend, run, message):
+    cfg = config_from_dict({"backend": backend})
+    with pytest.raises(ConfigError, match=message):
+        cfg.check_run(run, where="c.json")
+
+
+@pytest.mark.parametrize("backend,run", [
+    ("diloco", RunSettings(bf16=True, pp=1)),                    # bf16 without a pipeline
+    ("diloco", RunSettings(pp=2, tied_embeddings="sync", model_tied=True)),  # one fragment: one sync
+    ("streaming_diloco", RunSettings(pp=1, tied_embeddings="sync", model_tied=True)),
+    ("streaming_diloco", RunSettings(pp=2, tied_embeddings="untie", model_tied=True)),
+    ("powersgd", RunSettings(1, True, True, 2, "sync", True)),   # nothing they cannot run with
+    ("allreduce", RunSettings(1, True, True, 2, "sync", True)),
+])
+def test_backend_accepts_settings_it_can_run_with(backend, run):
+    config_from_dict({"backend": backend}).check_run(run)
+
+
+def test_run_settings_from_a_deepspeed_json():
+    ds = {"zero_optimization": {"stage": 1}, "fp16": {"enabled": True}, "bf16": {"enabled": False}}
+    assert RunSettings.from_ds_config(ds, pp=2, tied_embeddings="sync", model_tied=True) == RunSettings(
+        zero_stage=1, fp16=True, bf16=False, pp=2, tied_embeddings="sync", model_tied=True)
+    assert RunSettings.from_ds_config({}) == RunSettings()
+    with pytest.raises(ConfigError, match="zero_optimization.stage = 1"):
+        config_from_dict({"backend": "diloco"}).check_deepspeed(ds, pp=1)
 
 
 def test_powersgd_config_is_checked_in_compressor():

@@ -14,18 +14,10 @@ Accelerate: ``ds_twocircuit.adapters.accelerate.enable_dp_compression(accelerato
 from __future__ import annotations
 
 from ..config import ConfigError
-from ..dp.config import DPConfig
 from .. import wire
-from ..dp.registry import get_backend
+from ..dp.config import RunSettings
+from ..dp.registry import config_from_dict, get_backend
 from .comm import dp_comm
-
-
-# after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
-# them from its fp32 masters on the next step, silently undoing every outer update
-FP16_DILOCO = ("twocircuit.dp.backend = {backend!r} cannot run with fp16.enabled: DeepSpeed's fp16 "
-               "optimizer keeps fp32 master weights that would overwrite each outer (DiLoCo) update on "
-               "the next step; train in fp32 (or bf16 with torch_autocast), or use backend 'powersgd' / "
-               "'allreduce' with fp16")
 
 
 PIPELINE_ONLY = ("twocircuit.{keys} only apply to pipeline runs (masked boundaries, the anchor circuit, "
@@ -55,15 +47,18 @@ def attach_dp_backend(engine, dp: dict | None = None):
     if isinstance(engine, PipelineEngine):
         raise ConfigError("attach_dp_backend is for plain DeepSpeed engines; pipelines get their backend "
                           "from launch/train.py (MaskedPipelineEngine)")
-    cfg = DPConfig.from_dict(_dp_section(engine, dp))  # raises ConfigError naming the key
-    if engine.zero_optimization_stage() >= 1:
+    cfg = config_from_dict(_dp_section(engine, dp))  # raises ConfigError naming the key
+    # what this adapter needs of any backend: the engine's own DP reduction out of the way
+    zero = engine.zero_optimization_stage()
+    if zero >= 1:
         raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} needs zero_optimization.stage = 0: ZeRO "
                           "partitions gradients/optimizer state over the DP group and reduces them itself")
-    if isinstance(engine.optimizer, BF16_Optimizer):
+    bf16 = isinstance(engine.optimizer, BF16_Optimizer)
+    if bf16:
         raise ConfigError(f"twocircuit.dp.backend = {cfg.backend!r} cannot run under DeepSpeed's BF16 optimizer "
                           "(it keeps its own flat fp32 gradients); use torch_autocast or fp32")
-    if cfg.backend in ("diloco", "streaming_diloco") and engine.fp16_enabled():
-        raise ConfigError(FP16_DILOCO.format(backend=cfg.backend))
+    # what the backend itself cannot run with (its rules, shared with launch/train.py); no pipeline
+    cfg.check_run(RunSettings(zero_stage=zero, fp16=engine.fp16_enabled(), bf16=bf16))
     if not engine.managed_gradient_accumulation():
         raise ConfigError("twocircuit.dp needs DeepSpeed's managed gradient accumulation")
     comm = dp_comm(groups._get_data_parallel_group(), engine.dp_world_size)

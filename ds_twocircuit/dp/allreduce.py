@@ -7,13 +7,21 @@ gradients, bitwise identical on all ranks.  Gradients are coalesced into one fla
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
-from ds_twocircuit.dp.registry import register_backend
+from ds_twocircuit.dp.config import BackendConfig
 
 
-@register_backend("allreduce")
+@dataclass(frozen=True)
+class AllReduceConfig(BackendConfig):
+    """``"dp": {"backend": "allreduce"}``: the plain mean has nothing to tune, so no other key."""
+    backend: str = "allreduce"
+
+
 class AllReduce(DPBackend):
-    config_keys = frozenset()
+    backend_name = "allreduce"
+    config_class = AllReduceConfig
 
     def reduce_gradients(self, step: int) -> None:
         grads = self._grads()

@@ -28,7 +28,7 @@ import time
 import torch
 
 from ds_twocircuit import wire
-from ds_twocircuit.dp.config import DPConfig
+from ds_twocircuit.dp.config import BackendConfig, OptionsConfig
 
 # Cap on one coalesced all-reduce, in elements, so the flat copy stays bounded for big stages.
 BUCKET_NUMEL = 1 << 26
@@ -200,17 +200,19 @@ class DPBackend:
     ``named_params``: the parameters this rank holds (for a pipeline stage: that stage's only),
     in a fixed order that is the same on all DP ranks.  Parameters with ``requires_grad=False``
     are ignored (frozen weights stay identical on all replicas).  ``comm``: the
-    :class:`Communicator` of the DP replicas (``None``: a world of one).
+    :class:`Communicator` of the DP replicas (``None``: a world of one).  ``cfg``: this
+    backend's settings, a ``config_class`` instance or the ``twocircuit.dp`` dict it is read from.
     """
 
-    backend_name = "base"  # set by @register_backend
-    config_keys: frozenset = frozenset({"options"})  # twocircuit.dp keys this backend reads
+    backend_name = "base"  # the registered name (set by @register_backend)
+    # the backend's twocircuit.dp settings: a BackendConfig subclass holding only its own keys
+    config_class: type[BackendConfig] = OptionsConfig
     # True when DP replicas hold different weights between syncs (each rank must checkpoint its
     # own module weights, not only DP rank 0's).
     replicas_may_differ = False
 
     def __init__(self, named_params, comm: Communicator | None, cfg):
-        self.cfg: DPConfig = DPConfig.coerce(cfg, backend=self.backend_name)
+        self.cfg = self.config_class.coerce(cfg, backend=self.backend_name)
         comm = comm if comm is not None else LocalComm()
         world_size, rank = comm.world_size, comm.rank
         if type(world_size) is not int or world_size < 1:

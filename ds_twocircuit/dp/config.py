@@ -1,208 +1,203 @@
-"""Typed config for the ``"dp"`` subsection of the ``"twocircuit"`` DeepSpeed JSON section.
+"""What every ``twocircuit.dp`` section shares: ``{"backend": name, ...that backend's keys}``.
 
-One plain dataclass, validated once by :meth:`DPConfig.from_dict`.  Every error names the full
-dotted key (``twocircuit.dp.inner_steps``) and the allowed values.  Keys that the chosen backend
-does not use, and keys that contradict each other (``overlap_steps`` with ``overlap: false``), are
-refused rather than silently ignored.
+Each backend owns its settings: a frozen dataclass subclassing :class:`BackendConfig`, declared
+next to its algorithm and named by the backend class's ``config_class`` (``AllReduceConfig`` in
+allreduce.py, ``PowerSGDBackendConfig`` in powersgd.py, ``DiLoCoConfig`` and
+``StreamingDiLoCoConfig`` in diloco.py).  A third-party backend declares its own, or gets
+:class:`OptionsConfig` (one free-form ``options`` object).  So no class here holds a field of one
+backend, and adding a backend touches no shared code.
 
-Schema, defaults in brackets (``options`` is free-form, for third-party backends)::
+Here is only the machinery they share, so that every backend's errors read alike: each names the
+full dotted key (``twocircuit.dp.inner_steps``) and what is allowed; a key the backend does not use
+is refused (never silently ignored); the hooks a backend overrides are ``check_consistency``
+(contradictory keys), ``sync_schedule`` (its traffic, for the cost model) and ``check_run`` (the
+DeepSpeed settings it cannot run with, read once by the pipeline launcher and once by the plain
+engine adapter).
 
-    "dp": {
-      "backend": "allreduce"|"powersgd"|"diloco"|"streaming_diloco"|<registered>  ["allreduce"]
-      "powersgd": {                        # backend "powersgd", or compression "powersgd"
-        "matrix_approximation_rank": int >= 1      [64]  the paper's "PowerSGD-64"
-        "start_powerSGD_iter": int >= 0            [10]  dense all-reduce while step < this
-        "min_compression_rate": float >= 0         [2.0] compress iff n*m / (r*(n+m)) >= this
-        "use_error_feedback": bool                 [true]
-        "warm_start": bool                         [true]
-        "orthogonalization_epsilon": float >= 0    [0.0] 0: Householder QR; > 0: Gram-Schmidt
-        "random_seed": int >= 0                    [0]   seeds the first Q (same on all ranks)
-      },
-      "inner_steps": int >= 1 (H)          [10]   diloco, streaming_diloco
-      "outer_lr": float > 0                [0.7]  diloco, streaming_diloco
-      "outer_momentum": float in [0, 1)    [0.9]  diloco, streaming_diloco
-      "nesterov": bool                     [true] diloco, streaming_diloco
-      "compression": null | "powersgd"     [null] diloco, streaming_diloco (pseudo-gradients)
-      "num_fragments": int, 1 <= F <= H    [4]    streaming_diloco
-      "overlap": bool                      [true] streaming_diloco
-      "overlap_steps": int, 1 <= tau < H   [1]    streaming_diloco with overlap
-      "merge_alpha": float in [0, 1]       [0.5]  streaming_diloco with overlap
-      "options": dict                      [{}]   third-party backends
-    }
+This module imports nothing else of :mod:`ds_twocircuit.dp`: the registry (which picks the class
+from the ``backend`` name, :func:`ds_twocircuit.dp.registry.config_from_dict`) and the backends
+import it, never the other way round.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import MISSING, dataclass, field
 
-from ds_twocircuit.configkit import (ConfigError, check_bool, check_float, check_int, check_keys,
-                                     check_range, key)
+from ds_twocircuit.configkit import (ConfigError, check_bool, check_float, check_int, check_range,
+                                     key, typed_fields)
 
 DEFAULT_PREFIX = "twocircuit.dp"
 
 
-def _check_int(prefix, name, v, lo=None, hi=None):
-    return check_range(check_int(v, key(prefix, name)), key(prefix, name), lo, hi)
+# --- field declarations ------------------------------------------------------------------------
+
+def setting(default=MISSING, *, check=None, default_factory=MISSING):
+    """A config field whose JSON value goes through ``check(value, dotted_key) -> value`` (raising
+    ConfigError); without ``check`` an int/float/bool/str field gets its type checked only."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"check": check} if check is not None else {})
 
 
-def _check_float(prefix, name, v, lo=None, hi=None, lo_open=False, hi_open=False):
-    return check_range(check_float(v, key(prefix, name)), key(prefix, name), lo, hi, lo_open, hi_open)
+def int_in(lo=None, hi=None):
+    """Check: an integer (not a bool) in ``[lo, hi]``."""
+    def check(v, name):
+        return check_range(check_int(v, name), name, lo, hi)
+    return check
 
 
-def _check_bool(prefix, name, v):
-    return check_bool(v, key(prefix, name))
+def float_in(lo=None, hi=None, lo_open=False, hi_open=False):
+    """Check: a finite number in the range (``*_open``: strict bound); ints become floats."""
+    def check(v, name):
+        return check_range(check_float(v, name), name, lo, hi, lo_open, hi_open)
+    return check
 
+
+def boolean(v, name):
+    return check_bool(v, name)
+
+
+def json_object(v, name):
+    if not isinstance(v, dict):
+        raise ConfigError(f"{name} must be an object (dict), got {v!r}")
+    return dict(v)
+
+
+def nested(cls):
+    """Check: a sub-object parsed by ``cls.from_dict(value, prefix=dotted_key)``."""
+    def check(v, name):
+        return cls.from_dict(v, prefix=name)
+    return check
+
+
+def parse_fields(cls, d: dict, prefix: str) -> dict:
+    """The keyword arguments of dataclass ``cls`` from JSON object ``d`` (keys already checked),
+    each value through its field's ``check``."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    checked = {n for n in d if n in fields and "check" in fields[n].metadata}
+    kw = typed_fields(cls, d, prefix, skip=checked)
+    for n in checked:
+        kw[n] = fields[n].metadata["check"](d[n], key(prefix, n))
+    return kw
+
+
+# --- what a backend's compatibility rules read ---------------------------------------------------
 
 @dataclass(frozen=True)
-class PowerSGDConfig:
-    """PowerSGD knobs, named as in PyTorch's ``PowerSGDState``."""
-    matrix_approximation_rank: int = 64  # the paper's "PowerSGD-64"
-    start_powerSGD_iter: int = 10
-    min_compression_rate: float = 2.0
-    use_error_feedback: bool = True
-    warm_start: bool = True
-    orthogonalization_epsilon: float = 0.0
-    random_seed: int = 0
+class RunSettings:
+    """The settings of the run a backend would join that some backends cannot live with.
+
+    Built from the DeepSpeed JSON before any process starts (:meth:`from_ds_config`, the pipeline
+    launcher) or from an already built engine (``adapters/plain_engine.py``), so both paths apply
+    the same rules (:meth:`BackendConfig.check_run`)."""
+    zero_stage: int = 0
+    fp16: bool = False
+    bf16: bool = False
+    pp: int = 1                      # pipeline stages
+    tied_embeddings: str = "untie"   # twocircuit.tied_embeddings
+    model_tied: bool = False         # the model ties its input and output embeddings
 
     @classmethod
-    def from_dict(cls, d: dict | None,
-                  prefix: str = DEFAULT_PREFIX + ".powersgd") -> "PowerSGDConfig":
-        d = {} if d is None else d
-        check_keys(d, {f.name for f in dataclasses.fields(cls)}, prefix)
-        kw: dict[str, Any] = {}
-        for name, v in d.items():
-            if name in ("matrix_approximation_rank",):
-                kw[name] = _check_int(prefix, name, v, lo=1)
-            elif name in ("start_powerSGD_iter", "random_seed"):
-                kw[name] = _check_int(prefix, name, v, lo=0)
-            elif name in ("min_compression_rate", "orthogonalization_epsilon"):
-                kw[name] = _check_float(prefix, name, v, lo=0.0)
-            else:
-                kw[name] = _check_bool(prefix, name, v)
-        return cls(**kw)
+    def from_ds_config(cls, ds: dict, pp: int = 1, tied_embeddings: str = "untie",
+                       model_tied: bool = False) -> "RunSettings":
+        zero = ds.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        return cls(zero_stage=stage if isinstance(stage, int) else 0,
+                   fp16=bool((ds.get("fp16") or {}).get("enabled")),
+                   bf16=bool((ds.get("bf16") or {}).get("enabled")),
+                   pp=pp, tied_embeddings=tied_embeddings, model_tied=bool(model_tied))
 
+
+# --- the base of every backend's settings --------------------------------------------------------
 
 @dataclass(frozen=True)
-class DPConfig:
-    """The ``twocircuit.dp`` section.  ``explicit`` holds the keys the user actually set."""
-    backend: str = "allreduce"
-    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
-    inner_steps: int = 10
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    compression: str | None = None
-    num_fragments: int = 4
-    overlap: bool = True
-    overlap_steps: int = 1
-    merge_alpha: float = 0.5
-    options: dict = field(default_factory=dict)
-    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
-
-    def sync_schedule(self) -> tuple[int, int, int]:
-        """``(period, sync_every, overlap_steps)`` of this backend's traffic: steps in one full cycle
-        (every fragment synced once), steps between two syncs on a link, and steps of work a sync
-        runs behind (0: blocking). All-reduce and PowerSGD sync every step, blocking; DiLoCo the
-        whole model every H steps, blocking; Streaming DiLoCo one of F fragments every H / F steps,
-        behind ``overlap_steps`` steps when ``overlap`` is on."""
-        if self.backend == "streaming_diloco":
-            return (self.inner_steps, max(1, self.inner_steps // self.num_fragments),
-                    self.overlap_steps if self.overlap else 0)
-        if self.backend == "diloco":
-            return self.inner_steps, self.inner_steps, 0
-        return 1, 1, 0
+class BackendConfig:
+    """One backend's ``twocircuit.dp`` section; a subclass adds that backend's keys as fields
+    (declared with :func:`setting`) and sets ``backend``'s default to its registered name."""
+    backend: str
 
     @classmethod
-    def keys(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} - {"explicit"}
+    def keys(cls) -> frozenset:
+        """The ``twocircuit.dp`` keys this backend reads (``backend`` aside)."""
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.init) - {"backend"}
 
     @classmethod
-    def coerce(cls, cfg: "DPConfig | dict | None", backend: str | None = None,
-               prefix: str = DEFAULT_PREFIX) -> "DPConfig":
-        """Accept a DPConfig or a raw dict; ``backend`` fills in / checks the backend name."""
-        if isinstance(cfg, DPConfig):
-            if backend is not None and cfg.backend != backend:
-                raise ConfigError(f"{prefix}.backend is {cfg.backend!r} but a {backend!r} "
-                                  "backend is being built")
-            return cfg
-        d = dict(cfg or {})
-        if backend is not None:
-            if d.setdefault("backend", backend) != backend:
-                raise ConfigError(f"{prefix}.backend is {d['backend']!r} but a {backend!r} "
-                                  "backend is being built")
-        return cls.from_dict(d, prefix=prefix)
+    def own_backend(cls) -> str | None:
+        """The backend name this class is fixed to (its ``backend`` default); None when it serves
+        any backend (:class:`OptionsConfig`)."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == "backend")
+        return None if f.default is MISSING else f.default
 
     @classmethod
-    def from_dict(cls, d: dict | None, prefix: str = DEFAULT_PREFIX) -> "DPConfig":
-        from ds_twocircuit.dp.registry import available_backends, get_backend
-
+    def from_dict(cls, d: dict | None, prefix: str = DEFAULT_PREFIX) -> "BackendConfig":
+        """Validate JSON object ``d`` (``backend`` included or implied) into this class."""
         d = {} if d is None else d
-        check_keys(d, cls.keys(), prefix)
-        kw: dict[str, Any] = {}
-        backend = d.get("backend", cls.backend)
-        names = available_backends()
-        if not isinstance(backend, str) or backend not in names:
-            raise ConfigError(f"{key(prefix, 'backend')} must be one of {', '.join(names)}; "
-                              f"got {backend!r}")
-        kw["backend"] = backend
-        for name, v in d.items():
-            if name == "backend":
-                continue
-            if name == "powersgd":
-                kw[name] = PowerSGDConfig.from_dict(v, prefix=key(prefix, name))
-            elif name in ("inner_steps", "num_fragments", "overlap_steps"):
-                kw[name] = _check_int(prefix, name, v, lo=1)
-            elif name == "outer_lr":
-                kw[name] = _check_float(prefix, name, v, lo=0.0, lo_open=True)
-            elif name == "outer_momentum":
-                kw[name] = _check_float(prefix, name, v, lo=0.0, hi=1.0, hi_open=True)
-            elif name == "merge_alpha":
-                kw[name] = _check_float(prefix, name, v, lo=0.0, hi=1.0)
-            elif name in ("nesterov", "overlap"):
-                kw[name] = _check_bool(prefix, name, v)
-            elif name == "compression":
-                if v not in (None, "powersgd"):
-                    raise ConfigError(f"{key(prefix, name)} must be null or \"powersgd\", "
-                                      f"got {v!r}")
-                kw[name] = v
-            elif name == "options":
-                if not isinstance(v, dict):
-                    raise ConfigError(f"{key(prefix, name)} must be an object (dict), got {v!r}")
-                kw[name] = dict(v)
-        cfg = cls(explicit=frozenset(d), **kw)
-        cfg._check_consistency(get_backend(backend), prefix)
+        if not isinstance(d, dict):
+            raise ConfigError(f"{prefix} must be a JSON object, got {type(d).__name__}")
+        own = cls.own_backend()
+        name = d.get("backend", own)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key(prefix, 'backend')} must name the backend (a non-empty "
+                              f"string), got {name!r}")
+        if own not in (None, name):
+            raise ConfigError(f"{key(prefix, 'backend')} is {name!r} but {cls.__name__} holds the "
+                              f"settings of backend {own!r}")
+        used = cls.keys()
+        unused = sorted(str(k) for k in set(d) - used - {"backend"})
+        if unused:
+            raise ConfigError(f"{key(prefix, unused[0])} is not used by {key(prefix, 'backend')}="
+                              f"{name!r} (keys it uses: {', '.join(sorted(used)) or 'none'}); "
+                              "remove it")
+        cfg = cls(backend=name, **parse_fields(cls, {k: v for k, v in d.items() if k != "backend"},
+                                               prefix))
+        cfg.check_consistency(frozenset(d), prefix)
         return cfg
 
-    def _check_consistency(self, backend_cls, prefix: str) -> None:
-        used = set(getattr(backend_cls, "config_keys", frozenset({"options"})))
-        for k in sorted(self.explicit - {"backend"}):
-            if k not in used:
-                raise ConfigError(
-                    f"{key(prefix, k)} is not used by {key(prefix, 'backend')}={self.backend!r} "
-                    f"(keys it uses: {', '.join(sorted(used)) or 'none'}); remove it")
-        if "num_fragments" in used and self.num_fragments > self.inner_steps:
-            raise ConfigError(f"{key(prefix, 'num_fragments')} must be <= "
-                              f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so that no two "
-                              f"fragments sync on the same step; got {self.num_fragments}")
-        if ("compression" in used and "powersgd" in self.explicit
-                and self.compression != "powersgd"):
-            raise ConfigError(f"{key(prefix, 'powersgd')} is set but "
-                              f"{key(prefix, 'compression')} is null; set compression: "
-                              "\"powersgd\" or remove the powersgd block")
-        if "overlap" in used:
-            if not self.overlap:
-                for k in ("overlap_steps", "merge_alpha"):
-                    if k in self.explicit:
-                        raise ConfigError(f"{key(prefix, k)} only applies with "
-                                          f"{key(prefix, 'overlap')}=true")
-            elif self.overlap_steps >= self.inner_steps:
-                raise ConfigError(f"{key(prefix, 'overlap_steps')} must be < "
-                                  f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so a "
-                                  "fragment's sync finishes before its next one starts; "
-                                  f"got {self.overlap_steps}")
+    @classmethod
+    def coerce(cls, cfg, backend: str, prefix: str = DEFAULT_PREFIX) -> "BackendConfig":
+        """A backend built directly (tests, third parties) may be handed its config or a raw dict;
+        either must be for ``backend``."""
+        if isinstance(cfg, BackendConfig):
+            if cfg.backend != backend:
+                raise ConfigError(f"{key(prefix, 'backend')} is {cfg.backend!r} but a {backend!r} "
+                                  "backend is being built")
+            if not isinstance(cfg, cls):
+                raise ConfigError(f"{prefix}: backend {backend!r} reads a {cls.__name__}, "
+                                  f"got a {type(cfg).__name__}")
+            return cfg
+        if cfg is not None and not isinstance(cfg, dict):
+            raise ConfigError(f"{prefix} must be a JSON object, got {type(cfg).__name__}")
+        d = dict(cfg or {})
+        if d.setdefault("backend", backend) != backend:
+            raise ConfigError(f"{key(prefix, 'backend')} is {d['backend']!r} but a {backend!r} "
+                              "backend is being built")
+        return cls.from_dict(d, prefix=prefix)
+
+    # --- hooks a backend overrides ---------------------------------------------------------------
+    def check_consistency(self, given: frozenset, prefix: str) -> None:
+        """Refuse keys that contradict each other; ``given``: the keys the user actually set."""
+
+    def sync_schedule(self) -> tuple[int, int, int]:
+        """``(period, sync_every, overlap_steps)`` of this backend's traffic: steps in one full
+        cycle (every fragment synced once), steps between two syncs on a link, and steps of work a
+        sync runs behind (0: blocking).  Default: every step, blocking (all-reduce, PowerSGD)."""
+        return 1, 1, 0
+
+    def check_run(self, run: RunSettings, where: str = "") -> None:
+        """Raise ConfigError if this backend cannot run with ``run``'s settings; ``where`` (a
+        config file) prefixes the message."""
+
+    def check_deepspeed(self, ds: dict, pp: int = 1, where: str = "", tied_embeddings: str = "untie",
+                        model_tied: bool = False) -> None:
+        """:meth:`check_run` on the settings of DeepSpeed JSON ``ds`` (before launch)."""
+        self.check_run(RunSettings.from_ds_config(ds, pp, tied_embeddings, model_tied), where)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("explicit")
-        return d
+        """``{"backend": name, ...this backend's keys}``, defaults filled in (JSON-ready)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class OptionsConfig(BackendConfig):
+    """Settings of a third-party backend that declares no config class of its own: one free-form
+    ``options`` object, read by the backend itself."""
+    options: dict = setting(default_factory=dict, check=json_object)

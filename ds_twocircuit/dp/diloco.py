@@ -36,11 +36,124 @@ No DeepSpeed import.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ds_twocircuit.configkit import ConfigError, key
 from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
-from ds_twocircuit.dp.powersgd import PowerSGDCompressor
-from ds_twocircuit.dp.registry import register_backend
+from ds_twocircuit.dp.config import (BackendConfig, RunSettings, boolean, float_in, int_in, nested,
+                                     setting)
+from ds_twocircuit.dp.powersgd import PowerSGDCompressor, PowerSGDConfig
+
+# after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
+# them from its fp32 masters on the next step, silently undoing every outer update
+FP16_DILOCO = ("twocircuit.dp.backend = {backend!r} cannot run with fp16.enabled: DeepSpeed's fp16 "
+               "optimizer keeps fp32 master weights that would overwrite each outer (DiLoCo) update on "
+               "the next step; train in fp32 (or bf16 with torch_autocast), or use backend 'powersgd' / "
+               "'allreduce' with fp16")
+
+
+def _compression(v, name):
+    if v not in (None, "powersgd"):
+        raise ConfigError(f"{name} must be null or \"powersgd\", got {v!r}")
+    return v
+
+
+def _where(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig(BackendConfig):
+    """``"dp": {"backend": "diloco", ...}``, defaults in brackets::
+
+        "inner_steps": int >= 1 (H)          [10]
+        "outer_lr": float > 0                [0.7]
+        "outer_momentum": float in [0, 1)    [0.9]
+        "nesterov": bool                     [true]
+        "compression": null | "powersgd"     [null]  of the pseudo-gradients
+        "powersgd": {...}                    only with compression "powersgd" (PowerSGDConfig)
+    """
+    backend: str = "diloco"
+    powersgd: PowerSGDConfig = setting(default_factory=PowerSGDConfig, check=nested(PowerSGDConfig))
+    inner_steps: int = setting(10, check=int_in(1))
+    outer_lr: float = setting(0.7, check=float_in(0.0, lo_open=True))
+    outer_momentum: float = setting(0.9, check=float_in(0.0, 1.0, hi_open=True))
+    nesterov: bool = setting(True, check=boolean)
+    compression: str | None = setting(None, check=_compression)
+
+    def check_consistency(self, given: frozenset, prefix: str) -> None:
+        if "powersgd" in given and self.compression != "powersgd":
+            raise ConfigError(f"{key(prefix, 'powersgd')} is set but {key(prefix, 'compression')} "
+                              "is null; set compression: \"powersgd\" or remove the powersgd block")
+
+    def sync_schedule(self) -> tuple[int, int, int]:
+        """The whole model every H steps, blocking."""
+        return self.inner_steps, self.inner_steps, 0
+
+    def check_run(self, run: RunSettings, where: str = "") -> None:
+        """Replicas must stay apart between syncs and keep each outer update: ZeRO (any stage)
+        re-syncs them every step; fp16's masters, and bf16's optimizer under a pipeline, overwrite
+        the update."""
+        w = _where(where)
+        if run.zero_stage >= 1:
+            raise ConfigError(f"{w}twocircuit.dp.backend = {self.backend!r} keeps replicas apart "
+                              f"between syncs; zero_optimization.stage = {run.zero_stage} re-syncs "
+                              "them every step. Use stage 0.")
+        if run.fp16:
+            raise ConfigError(w + FP16_DILOCO.format(backend=self.backend))
+        if run.bf16 and run.pp > 1:
+            raise ConfigError(f"{w}twocircuit.dp.backend = {self.backend!r} cannot run with "
+                              "bf16.enabled under pipeline parallelism (DeepSpeed's BF16 optimizer "
+                              "re-syncs replicas every step); use fp32 or fp16")
+
+
+@dataclass(frozen=True)
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    """``"dp": {"backend": "streaming_diloco", ...}``: DiLoCo's keys and, defaults in brackets::
+
+        "num_fragments": int, 1 <= F <= H    [4]
+        "overlap": bool                      [true]
+        "overlap_steps": int, 1 <= tau < H   [1]    only with overlap
+        "merge_alpha": float in [0, 1]       [0.5]  only with overlap
+    """
+    backend: str = "streaming_diloco"
+    num_fragments: int = setting(4, check=int_in(1))
+    overlap: bool = setting(True, check=boolean)
+    overlap_steps: int = setting(1, check=int_in(1))
+    merge_alpha: float = setting(0.5, check=float_in(0.0, 1.0))
+
+    def check_consistency(self, given: frozenset, prefix: str) -> None:
+        if self.num_fragments > self.inner_steps:
+            raise ConfigError(f"{key(prefix, 'num_fragments')} must be <= "
+                              f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so that no two "
+                              f"fragments sync on the same step; got {self.num_fragments}")
+        super().check_consistency(given, prefix)
+        if not self.overlap:
+            for k in ("overlap_steps", "merge_alpha"):
+                if k in given:
+                    raise ConfigError(f"{key(prefix, k)} only applies with "
+                                      f"{key(prefix, 'overlap')}=true")
+        elif self.overlap_steps >= self.inner_steps:
+            raise ConfigError(f"{key(prefix, 'overlap_steps')} must be < "
+                              f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so a fragment's "
+                              f"sync finishes before its next one starts; got {self.overlap_steps}")
+
+    def sync_schedule(self) -> tuple[int, int, int]:
+        """One of F fragments every H / F steps, behind ``overlap_steps`` steps when overlapping."""
+        return (self.inner_steps, max(1, self.inner_steps // self.num_fragments),
+                self.overlap_steps if self.overlap else 0)
+
+    def check_run(self, run: RunSettings, where: str = "") -> None:
+        """DiLoCo's rules, and: the two copies of a tied embedding on different pipeline stages
+        would sync in different fragments (at different steps), so they would drift apart."""
+        super().check_run(run, where)
+        if run.model_tied and run.tied_embeddings == "sync" and run.pp > 1:
+            raise ConfigError(f"{_where(where)}twocircuit.dp.backend = {self.backend!r} with "
+                              "twocircuit.tied_embeddings = 'sync' would sync the two copies of the "
+                              "tied embedding in different fragments (they drift apart); use 'untie' "
+                              "or 'freeze'")
 
 
 def split_fragments(numels, num_fragments: int) -> list[list[int]]:
@@ -72,12 +185,11 @@ class _Sync:
             fragment, launched, due, deltas, rnd)
 
 
-@register_backend("diloco")
 class DiLoCo(DPBackend):
     """H local steps, then an outer Nesterov step on the DP-averaged pseudo-gradient."""
 
-    config_keys = frozenset({"inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                             "compression", "powersgd"})
+    backend_name = "diloco"
+    config_class = DiLoCoConfig
     replicas_may_differ = True
 
     def __init__(self, named_params, comm, cfg, fragments=None):
@@ -278,7 +390,6 @@ class DiLoCo(DPBackend):
             self.pending[f] = _Sync(f, rec["launched"], rec["due"], deltas, rnd)
 
 
-@register_backend("streaming_diloco")
 class StreamingDiLoCo(DiLoCo):
     """DiLoCo over F staggered fragments, optionally overlapping each sync with tau inner steps.
 
@@ -287,8 +398,8 @@ class StreamingDiLoCo(DiLoCo):
     parameter order, balanced by numel.
     """
 
-    config_keys = DiLoCo.config_keys | {"num_fragments", "overlap", "overlap_steps",
-                                        "merge_alpha"}
+    backend_name = "streaming_diloco"
+    config_class = StreamingDiLoCoConfig
 
     def _setup_streaming(self, c) -> None:
         self.num_fragments, self.overlap = c.num_fragments, c.overlap

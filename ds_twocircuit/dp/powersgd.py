@@ -28,13 +28,54 @@ as PyTorch does.  No DeepSpeed import.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
+from ds_twocircuit.configkit import check_keys
 from ds_twocircuit.dp.base import CoalescedMean, Collective, DPBackend, check_finite
-from ds_twocircuit.dp.config import PowerSGDConfig
-from ds_twocircuit.dp.registry import register_backend
+from ds_twocircuit.dp.config import (DEFAULT_PREFIX, BackendConfig, boolean, float_in, int_in,
+                                     nested, parse_fields, setting)
 from ds_twocircuit.rng import derived_generator
+
+
+@dataclass(frozen=True)
+class PowerSGDConfig:
+    """PowerSGD knobs, named as in PyTorch's ``PowerSGDState``: the ``powersgd`` object of backend
+    ``powersgd``, and of DiLoCo's pseudo-gradients with ``compression: "powersgd"``::
+
+        "powersgd": {
+          "matrix_approximation_rank": int >= 1      [64]  the paper's "PowerSGD-64"
+          "start_powerSGD_iter": int >= 0            [10]  dense all-reduce while step < this
+          "min_compression_rate": float >= 0         [2.0] compress iff n*m / (r*(n+m)) >= this
+          "use_error_feedback": bool                 [true]
+          "warm_start": bool                         [true]
+          "orthogonalization_epsilon": float >= 0    [0.0] 0: Householder QR; > 0: Gram-Schmidt
+          "random_seed": int >= 0                    [0]   seeds the first Q (same on all ranks)
+        }
+    """
+    matrix_approximation_rank: int = setting(64, check=int_in(1))
+    start_powerSGD_iter: int = setting(10, check=int_in(0))
+    min_compression_rate: float = setting(2.0, check=float_in(0.0))
+    use_error_feedback: bool = setting(True, check=boolean)
+    warm_start: bool = setting(True, check=boolean)
+    orthogonalization_epsilon: float = setting(0.0, check=float_in(0.0))
+    random_seed: int = setting(0, check=int_in(0))
+
+    @classmethod
+    def from_dict(cls, d: dict | None,
+                  prefix: str = DEFAULT_PREFIX + ".powersgd") -> "PowerSGDConfig":
+        d = {} if d is None else d
+        check_keys(d, {f.name for f in dataclasses.fields(cls)}, prefix)
+        return cls(**parse_fields(cls, d, prefix))
+
+
+@dataclass(frozen=True)
+class PowerSGDBackendConfig(BackendConfig):
+    """``"dp": {"backend": "powersgd", "powersgd": {...}}`` (:class:`PowerSGDConfig`)."""
+    backend: str = "powersgd"
+    powersgd: PowerSGDConfig = setting(default_factory=PowerSGDConfig, check=nested(PowerSGDConfig))
 
 
 def orthogonalize_(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -229,11 +270,11 @@ class PowerSGDRound:
         self.finished = True
 
 
-@register_backend("powersgd")
 class PowerSGD(DPBackend):
     """Per-step PowerSGD-compressed gradient averaging (dense while step < start_powerSGD_iter)."""
 
-    config_keys = frozenset({"powersgd"})
+    backend_name = "powersgd"
+    config_class = PowerSGDBackendConfig
 
     def __init__(self, named_params, comm, cfg):
         super().__init__(named_params, comm, cfg)
