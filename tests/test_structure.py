@@ -125,3 +125,99 @@ def test_every_private_override_in_the_adapters_is_listed():
         assert own <= listed, f"{cls.__name__} overrides {sorted(own - listed)}: list them in deepspeed_private.py"
     src = (ROOT / "adapters" / "plain_engine.py").read_text()
     assert "engine._take_model_step = " in src and "_take_model_step" in listed
+
+
+def _package_modules(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    """Dotted name -> file of every module of the package in folder ``root``."""
+    mods = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join([package, *parts])] = path
+    return mods
+
+
+def _imported(name: str, path: pathlib.Path, is_package: bool) -> set[str]:
+    """Every module name ``path`` (module ``name``) imports, at module level or inside a function:
+    ``import a.b``, ``from a import b`` (a and a.b), relative forms, ``import_module("a.b")``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = name if is_package else name.rpartition(".")[0]   # what a level-1 relative import means
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = here.split(".")[:len(here.split(".")) - (node.level - 1)]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) \
+                == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+            found.add(str(node.args[0].value))
+    return found
+
+
+def _import_cycle(root: pathlib.Path, package: str) -> list[str] | None:
+    """One import cycle among the modules of ``package`` (first module repeated at the end), or
+    None.  A module importing a parent package only implicitly (``import a.b`` runs ``a``) is not
+    an edge: only what the source names is."""
+    mods = _package_modules(root, package)
+    edges = {m: sorted(n for n in _imported(m, p, p.name == "__init__.py") if n in mods and n != m)
+             for m, p in mods.items()}
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for n in edges[m]:
+            if state.get(n) == 1:
+                return path[path.index(n):] + [m, n] if n in path else [m, n]
+            if n not in state:
+                cycle = visit(n, path + [m])
+                if cycle:
+                    return cycle
+        state[m] = 2
+        return None
+
+    for m in mods:
+        if m not in state:
+            cycle = visit(m, [])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_dp_package_has_no_import_cycle():
+    """ds_twocircuit.dp imports one way (config <- base <- backends <- registry): a module that
+    imports another which imports it back, even inside a function, is a circle (the config and
+    the registry once held one)."""
+    root = ROOT / "dp"
+    mods = _package_modules(root, "ds_twocircuit.dp")
+    assert {"ds_twocircuit.dp.config", "ds_twocircuit.dp.registry", "ds_twocircuit.dp.base"} <= set(mods)
+    cycle = _import_cycle(root, "ds_twocircuit.dp")
+    assert cycle is None, "import cycle in ds_twocircuit.dp: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_catches_each_form(tmp_path):
+    cases = {  # (module a, module b): which forms close a circle
+        "top-level": ("from pkg.b import x\n", "from pkg.a import y\n"),
+        "in a function": ("def f():\n    from pkg.b import x\n", "import pkg.a\n"),
+        "relative": ("from .b import x\n", "from . import a\n"),
+        "import_module": ("import importlib\nimportlib.import_module('pkg.b')\n", "from .a import y\n"),
+        "three modules": ("from .b import x\n", "from .c import y\n"),
+        "one way only": ("from .b import x\n", "import os\n"),
+    }
+    got = {}
+    for case, (a, b) in cases.items():
+        root = tmp_path / case.replace(" ", "_") / "pkg"
+        root.mkdir(parents=True)
+        (root / "__init__.py").write_text("")
+        (root / "a.py").write_text(a)
+        (root / "b.py").write_text(b)
+        (root / "c.py").write_text("from pkg import a\n" if case == "three modules" else "")
+        got[case] = _import_cycle(root, "pkg")
+    assert got["one way only"] is None
+    assert got["three modules"] == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    for case in ("top-level", "in a function", "relative", "import_module"):
+        assert got[case] == ["pkg.a", "pkg.b", "pkg.a"], (case, got[case])
