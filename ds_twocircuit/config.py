@@ -81,31 +81,6 @@ class AnchorConfig:
 
 
 @dataclass(frozen=True)
-class CodecConfig:
-    """State of the ``meanfill`` and ``lowrank`` codecs (``statecodecs.py``)."""
-    groups: list = field(default_factory=lambda: [[16, 8], [184, 4]])  # lowrank: [count, bits] of
-                                    # the coefficients, leading principal directions first
-    refresh_steps: list = field(default_factory=lambda: [0, 1, 3])  # steps whose first message ships
-                                    # new state (mean / basis) fitted on everything the sender saw
-    refresh_every: int = 0          # and every N steps after the last listed one (0: never)
-    coef_norm: str = "none"         # lowrank: none | sqrt_std (divide each coefficient by
-                                    # lambda_i ** 0.25 before quantising; r more bf16 values of state)
-
-    def validate(self, p):
-        from .statecodecs import LowRankCodec, check_groups
-        try:
-            check_groups(self.groups, key=f"{p}.groups")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if (not isinstance(self.refresh_steps, list) or not self.refresh_steps
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.refresh_steps)):
-            raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
-                              f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
-        check_range(self.refresh_every, f"{p}.refresh_every", 0, 1 << 30)
-        check_choice(self.coef_norm, LowRankCodec.COEF_NORMS, f"{p}.coef_norm")
-
-
-@dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters on the decoder projections (PEFT); ``r = 0``: off (full fine-tuning)."""
     r: int = 0                      # adapter rank (the --lora-r flag overrides)
@@ -128,15 +103,12 @@ class LoRAConfig:
         return self.r > 0
 
 
-CODEC_MODES = ("random", "topk", "dense", "meanfill", "lowrank")
-
-
 @dataclass(frozen=True)
 class TwoCircuitConfig:
     """The ``twocircuit`` section, read once (``from_dict``) and never written; a changed copy is
     made with ``dataclasses.replace``."""
-    mode: str = "random"            # random (the method) | topk (ablation) | dense (stock) |
-                                    # meanfill | lowrank (codecs with state, see statecodecs.py)
+    mode: str = "random"            # the boundary codec: a name registered in ds_twocircuit.codecs
+                                    # (random: the paper's PRF mask, lowrank, dense, ...)
     mask_rate: float = 0.95         # p: fraction of channels dropped at each boundary
     rescale: bool = False           # multiply kept values by 1/(1-p) (off: the paper)
     warmup_steps: int = 0           # dense steps before masking starts
@@ -145,19 +117,21 @@ class TwoCircuitConfig:
     mask_seed: int | None = None    # run seed of the PRF (None: the --seed flag)
     partition: str = "balanced"     # balanced (by layer cost) | type (even decoders) | uniform
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
+    clean_every: int = 0            # K > 0: every K-th step trains through dense boundaries (the
+                                    # "clean" control; its bytes counted), 0: never
     dp: BackendConfig = field(default_factory=config_from_dict)  # the backend's own config class
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    codec: CodecConfig = field(default_factory=CodecConfig)
+    codec: Any = None               # the codec's own twocircuit.codec section (its config_cls), or None
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
 
     def validate(self, p="twocircuit"):
-        check_choice(self.mode, CODEC_MODES, f"{p}.mode")
-        if self.mode == "lowrank" and (self.warmup_steps or self.ramp_steps or self.rescale):
-            raise ConfigError(f"{p}.warmup_steps / ramp_steps / rescale act on the PRF mask; they do not "
-                              f"apply to {p}.mode = 'lowrank' (set them to 0 / false)")
+        from .codecs import available_codecs, get_codec
+        check_choice(self.mode, available_codecs(), f"{p}.mode")
+        get_codec(self.mode).check_config(self, p)
         check_range(self.mask_rate, f"{p}.mask_rate", 0.0, 1.0, hi_open=True)
         check_range(self.warmup_steps, f"{p}.warmup_steps", 0, 1 << 30)
         check_range(self.ramp_steps, f"{p}.ramp_steps", 0, 1 << 30)
+        check_range(self.clean_every, f"{p}.clean_every", 0, 1 << 30)
         check_choice(self.wire_dtype, ("auto", "fp32", "bf16", "fp16"), f"{p}.wire_dtype")
         check_choice(self.partition, ("balanced", "type", "uniform"), f"{p}.partition")
         check_choice(self.tied_embeddings, ("untie", "sync", "freeze"), f"{p}.tied_embeddings")
@@ -165,12 +139,17 @@ class TwoCircuitConfig:
             raise ConfigError(f"{p}.lora with {p}.tied_embeddings = 'sync': under LoRA the tied embedding is "
                               "frozen, so there is no gradient to sync between the first and last stage; "
                               "use 'freeze' (one shared frozen copy) or 'untie'")
-        if self.mode == "topk" and self.mask_rate == 0.0:
-            raise ConfigError(f"{p}.mask_rate must be > 0 with {p}.mode = 'topk'")
+
+    def uncoded(self) -> "TwoCircuitConfig":
+        """This section with dense boundaries (the anchor circuit's)."""
+        from .codecs import DENSE
+        return dataclasses.replace(self, mode=DENSE, codec=None, mask_rate=0.0, warmup_steps=0, ramp_steps=0,
+                                   rescale=False)
 
     @property
     def effective_mask_rate(self) -> float:
-        return 0.0 if self.mode in ("dense", "lowrank") else self.mask_rate
+        from .codecs import get_codec
+        return self.mask_rate if get_codec(self.mode).uses_mask else 0.0
 
     @classmethod
     def from_dict(cls, d: dict | None, prefix: str = "twocircuit") -> "TwoCircuitConfig":
@@ -184,14 +163,19 @@ class TwoCircuitConfig:
             check_int(d["mask_seed"], f"{prefix}.mask_seed")
         anchor_cfg = _build(AnchorConfig, anchor, f"{prefix}.anchor",
                             spectral=_build(SpectralConfig, spectral, f"{prefix}.anchor.spectral"))
+        from .codecs import available_codecs, codec_config
+        mode = d.get("mode", cls.mode)
+        check_choice(mode, available_codecs(), f"{prefix}.mode")
         # the DP section is validated here too: errors come before any process group
-        return _build(cls, d, prefix, codec=_build(CodecConfig, codec, f"{prefix}.codec"),
+        return _build(cls, d, prefix, codec=codec_config(mode, codec, f"{prefix}.codec"),
                       anchor=anchor_cfg, dp=config_from_dict(dp, prefix=f"{prefix}.dp"),
                       lora=_build(LoRAConfig, lora, f"{prefix}.lora"))
 
     def to_dict(self) -> dict[str, Any]:
+        from .codecs import config_dict
         d = dataclasses.asdict(self)
         d["dp"] = self.dp.to_dict()
+        d["codec"] = config_dict(self.codec)
         return d
 
 
@@ -240,3 +224,31 @@ def check_deepspeed_section(ds: dict, pp: int, path: str = "<config>") -> None:
     if pp > 1 and isinstance(stage, int) and stage >= 2:
         raise ConfigError(f"{path}: zero_optimization.stage = {stage} cannot be used with pipeline "
                           f"parallelism (pp = {pp}); DeepSpeed allows ZeRO stage 0 or 1 with pipelines")
+
+
+def apply_overrides(ds: dict, overrides: list[str], where: str = "--set") -> dict:
+    """``ds`` (a DeepSpeed config dict) with each ``KEY=VALUE`` of ``overrides`` applied: ``KEY`` a
+    dotted path (``twocircuit.codec.groups``, ``optimizer.params.lr``), ``VALUE`` JSON (``[[112,4]]``,
+    ``0.5``, ``true``, ``"bf16"``) or, if it is not JSON, a plain string. Missing objects on the path
+    are created; the result is validated as any config file is. Returns a new dict."""
+    out = json.loads(json.dumps(ds))
+    for item in overrides:
+        path, sep, raw = item.partition("=")
+        if not sep or not path or any(not k for k in path.split(".")):
+            raise ConfigError(f"{where} {item!r}: expected KEY=VALUE with KEY a dotted path, e.g. "
+                              "twocircuit.codec.groups=[[112,4]]")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = out
+        keys = path.split(".")
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{where} {item!r}: {k} is not an object in the config")
+            node = nxt
+        node[keys[-1]] = value
+    return out

@@ -5,7 +5,8 @@ and ``config.twocircuit``: mode, mask rate, partition, rescale, wire dtype; the 
 ``config.mask_seed``), each overridable by a flag (``--pp``, ``--mask-rate``, ``--mask-seed``,
 ``--mask-partition``). The masks are the
 ones :class:`ds_twocircuit.reference.BoundaryMasker` computes; keys use the engine's evaluation
-step space (``EVAL_STEP_OFFSET + steps``, at the full mask rate after any warm-up or ramp) and a
+step space (``EVAL_STEP_OFFSET + steps``, at the mask rate of the run's last step, as the engine's
+coded evaluation) and a
 micro-batch counter that advances with every forward call, so each decoded token gets a fresh
 mask and a run is reproducible.
 """
@@ -41,7 +42,11 @@ def mask_settings(summary: dict | None, pp: int | None = None, mask_rate: float 
         s["parts"] = list(mesh["parts"])  # the exact stage boundaries the run used
     if mask_rate is not None and s["mode"] == "dense":
         s["mode"] = "random"
-    if s["mode"] == "lowrank" and s["mask_rate"] is None:
+    from ds_twocircuit.codecs import available_codecs, get_codec
+    if s["mode"] not in available_codecs():
+        raise MaskingError(f"--masked: the run's twocircuit.mode {s['mode']!r} is not a registered codec "
+                           f"({', '.join(available_codecs())})")
+    if not get_codec(s["mode"]).uses_mask and s["mask_rate"] is None:
         s["mask_rate"] = 0.0
     missing = [k for k in ("pp", "mask_rate", "seed") if s[k] is None]
     if missing:
@@ -59,18 +64,21 @@ class MaskedInference:
     """Attach the boundary masks to ``model`` (forward hooks); ``remove()`` detaches them."""
 
     def __init__(self, model, settings: dict):
-        from ds_twocircuit.config import CodecConfig, ConfigError
+        from ds_twocircuit.codecs import build_codec
+        from ds_twocircuit.config import ConfigError
         from ds_twocircuit.reference import BoundaryMasker
         self.settings = settings
         kw = {"parts": settings["parts"]} if settings.get("parts") else {}
         if settings.get("partition") and not kw:
             kw["partition"] = settings["partition"]
         try:
-            self.masker = BoundaryMasker(model, int(settings["pp"]), mode=settings["mode"],
-                                         mask_rate=float(settings["mask_rate"]), seed=int(settings["seed"]),
-                                         rescale=settings["rescale"], wire_dtype=settings["wire_dtype"],
-                                         codec_cfg=CodecConfig(**settings["codec"]) if settings.get("codec") else None,
-                                         **kw)
+            build_codec(settings["mode"], settings["wire_dtype"], settings.get("codec") or None)  # errors now
+
+            def factory():
+                return build_codec(settings["mode"], settings["wire_dtype"], settings.get("codec") or None,
+                                   mask_rate=float(settings["mask_rate"]), rescale=settings["rescale"])
+            self.masker = BoundaryMasker(model, int(settings["pp"]), factory, seed=int(settings["seed"]), **kw)
+            self.masker.count = False   # inference on one machine: no link
         except (ConfigError, KeyError, ValueError) as e:
             raise MaskingError(f"--masked: {e}") from None
         settings["parts"] = list(self.masker.parts)

@@ -51,7 +51,8 @@ def codec_at_llama1b(threads_note: str) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
     from ds_twocircuit import masks
-    from ds_twocircuit.codec import Message, RandomMaskCodec
+    from ds_twocircuit.codecs import Message
+    from ds_twocircuit.codecs.mask import RandomMaskCodec
 
     H, T = 2048, 2048
     keep = masks.kept_count(H, 0.95)

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main():
     import torch
     from ds_twocircuit import masks
-    from ds_twocircuit.codec import Message, RandomMaskCodec, make_codec
+    from ds_twocircuit.codecs import Message, build_codec
+    from ds_twocircuit.codecs.mask import RandomMaskCodec
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -53,7 +54,7 @@ def main():
     for codec_name, wire in (("random", "fp32"), ("random", "bf16"), ("topk", "fp32")):
         outs = []
         for d in ("cpu", dev):
-            tx, rx = make_codec(codec_name, wire), make_codec(codec_name, wire)
+            tx, rx = build_codec(codec_name, wire), build_codec(codec_name, wire)
             xd = x.to(d)
             sent = tx.pack_activation(xd, msg)
             y = rx.unpack_activation([t.clone() for t in sent], msg, xd.dtype)
@@ -117,8 +118,8 @@ def main():
 
 
 def _lowrank_check(torch, dev):
-    from ds_twocircuit.codec import Message
-    from ds_twocircuit.statecodecs import LowRankCodec
+    from ds_twocircuit.codecs import Message
+    from ds_twocircuit.codecs.lowrank import LowRankCodec
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 256, generator=g) @ torch.randn(256, 576, generator=g) + 3.0
     msg = Message(key=1, shape=(512, 576), keep=576, refresh=True)

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from ds_twocircuit import masks
-from ds_twocircuit.codec import DenseCodec, Message, RandomMaskCodec, TopKCodec, make_codec
+from ds_twocircuit.codecs import Message, build_codec
+from ds_twocircuit.codecs.dense import DenseCodec
+from ds_twocircuit.codecs.mask import RandomMaskCodec, TopKCodec
 
 
 def _msg(shape, keep, key=99, scale=1.0):
@@ -35,16 +37,16 @@ def test_random_wire_bytes_fp32_and_bf16():
     keep = masks.kept_count(576, 0.95)
     msg = _msg(x.shape, keep)
     for dt, size in (("fp32", 4), ("bf16", 2), ("auto", 4)):
-        wire = make_codec("random", dt).pack_activation(x, msg)
+        wire = build_codec("random", dt).pack_activation(x, msg)
         assert sum(t.numel() * t.element_size() for t in wire) == 4 * 128 * keep * size
-    dense = make_codec("dense", "fp32").pack_activation(x, _msg(x.shape, 576))
+    dense = build_codec("dense", "fp32").pack_activation(x, _msg(x.shape, 576))
     assert sum(t.numel() * t.element_size() for t in dense) == x.numel() * 4
 
 
 def test_bf16_wire_rounds_values():
     x = torch.randn(3, 16) * 1.001
     msg = _msg(x.shape, 16)
-    c = make_codec("dense", "bf16")
+    c = build_codec("dense", "bf16")
     w = c.pack_activation(x, msg)
     assert w[0].dtype == torch.bfloat16
     y = c.unpack_activation(w, msg, torch.float32)
@@ -90,5 +92,5 @@ def test_dense_is_identity():
 
 
 def test_unknown_codec_name():
-    with pytest.raises(KeyError):
-        make_codec("bogus", "fp32")
+    with pytest.raises(ValueError, match="unknown twocircuit.mode 'bogus'; allowed: random, topk, dense"):
+        build_codec("bogus", "fp32")

@@ -180,8 +180,8 @@ def test_plan_and_config_are_read_once_and_never_written(tmp_path):
                             "--anchor-replicas", "1", "--anchor-store", str(tmp_path / "s")], world=4)
     assert plan.tc.anchor.enabled and plan.tc.anchor.store == str(tmp_path / "s")  # flags applied
     for obj, attr in ((plan, "dp"), (plan.tc, "mode"), (plan.tc.anchor, "enabled"),
-                      (plan.tc.anchor.spectral, "alpha"), (plan.tc.codec, "refresh_every"),
-                      (plan.tc.dp, "backend")):
+                      (plan.tc.anchor.spectral, "alpha"), (plan.tc.dp, "backend"),
+                      (TwoCircuitConfig.from_dict({"mode": "lowrank"}).codec, "refresh_every")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, attr, getattr(obj, attr))
     # the shipped file itself says anchor.store = "" : the override made a copy
@@ -203,7 +203,8 @@ def test_plan_and_config_are_read_once_and_never_written(tmp_path):
     ({"dp": {"backend": "diloco", "nesterov": 1}}, "twocircuit.dp.nesterov must be true or false, got 1"),
     ({"anchor": {"spectral": {"alpha": float("nan")}}}, "twocircuit.anchor.spectral.alpha must be finite"),
     ({"dp": {"inner_step": 3}}, "unknown key twocircuit.dp.inner_step; allowed keys under twocircuit.dp:"),
-    ({"codec": {"group": []}}, "unknown key twocircuit.codec.group; allowed keys under twocircuit.codec:"),
+    ({"mode": "lowrank", "codec": {"group": []}}, "unknown key twocircuit.codec.group; allowed keys under twocircuit.codec:"),
+    ({"codec": {"groups": []}}, "twocircuit.codec is not used by twocircuit.mode = 'random'"),
     ({"dp": [1]}, "twocircuit.dp must be a JSON object, got list"),
 ])
 def test_one_wording_for_every_section(section, message):

@@ -156,7 +156,8 @@ def test_masked_inference_applies_the_training_masks(tiny_folder):
     mi.remove()
     assert torch.equal(_logits(ck.model), dense)
     # the same masks as the training reference's BoundaryMasker for (step, micro-batch 0)
-    ref = BoundaryMasker(ck.model, 2, mode="random", mask_rate=0.9, seed=3, parts=settings["parts"])
+    from ds_twocircuit.codecs import build_codec
+    ref = BoundaryMasker(ck.model, 2, lambda: build_codec("random", mask_rate=0.9), seed=3, parts=settings["parts"])
     ref.set_message(settings["step"], 0)
     assert torch.equal(_logits(ck.model), masked)
     ref.remove()
@@ -174,7 +175,7 @@ def test_coded_inference_through_the_lowrank_codec(tiny_folder):
     mi = MaskedInference(ck.model, s)
     coded = _logits(ck.model)
     assert torch.isfinite(coded).all() and not torch.allclose(coded, dense)
-    pair = mi.masker._pairs[(0, 0)]
+    pair = mi.masker.pair(0)
     assert pair[1].rank == 24 and pair[1].has_state and pair[0].moments.n == 0  # eval never measures
     mi.remove()
     assert torch.equal(_logits(ck.model), dense)

@@ -3,11 +3,22 @@ byte counts, config errors, checkpoint state. Pure torch, single process."""
 import pytest
 import torch
 
-from ds_twocircuit.codec import Message, make_codec
-from ds_twocircuit.config import CodecConfig, ConfigError, TwoCircuitConfig
+from ds_twocircuit.codecs import Message, build_codec
+from ds_twocircuit.codecs.lowrank import LowRankCodec, LowRankConfig, principal_basis
+from ds_twocircuit.codecs.meanfill import MeanFillCodec
+from ds_twocircuit.codecs.quant import dequantize_groups, group_bytes, quantize_groups
+from ds_twocircuit.codecs.stateful import RefreshSchedule, RunningMoments
+from ds_twocircuit.config import ConfigError, TwoCircuitConfig
 from ds_twocircuit.reference import _CodecLink
-from ds_twocircuit.statecodecs import (LowRankCodec, MeanFillCodec, RefreshSchedule, RunningMoments,
-                                       dequantize_groups, group_bytes, principal_basis, quantize_groups)
+
+
+def _lowrank(groups=((16, 8), (184, 4)), refresh=(0,), coef_norm="none"):
+    return build_codec("lowrank", cfg={"groups": [list(g) for g in groups], "refresh_steps": list(refresh),
+                                       "coef_norm": coef_norm})
+
+
+def _meanfill(refresh=(0,)):
+    return build_codec("meanfill", cfg={"refresh_steps": list(refresh)})
 
 
 def _msg(shape, key=1, keep=None, refresh=False, train=True):
@@ -60,8 +71,7 @@ def test_refresh_schedule():
 
 
 def _pair(groups=((8, 8), (16, 4)), refresh=(0, 2)):
-    return (LowRankCodec(groups=groups, refresh=RefreshSchedule(refresh)),
-            LowRankCodec(groups=groups, refresh=RefreshSchedule(refresh)))
+    return _lowrank(groups, refresh), _lowrank(groups, refresh)
 
 
 def test_lowrank_state_protocol_and_reconstruction():
@@ -129,7 +139,7 @@ def test_lowrank_coef_norm_ships_scales_and_flattens_the_bit_allocation():
     x = (torch.randn(T, H) * torch.logspace(1, -1.5, H)) @ q.T + 3.0  # a decaying spectrum
     errs = {}
     for norm in ("none", "sqrt_std"):
-        send, recv = (LowRankCodec(groups=((r, 4),), refresh=RefreshSchedule((0,)), coef_norm=norm) for _ in range(2))
+        send, recv = (_lowrank(((r, 4),), (0,), norm) for _ in range(2))
         msg = _msg((T, H), refresh=True)
         n = 3 if norm == "sqrt_std" else 2
         assert send.state_tensor_count(msg) == recv.state_tensor_count(msg) == n
@@ -150,7 +160,7 @@ def test_lowrank_coef_norm_ships_scales_and_flattens_the_bit_allocation():
             p, s = quantize_groups(w @ send.basis, [(r, 4)])
             assert torch.equal(xx.grad, dequantize_groups(p, s, [(r, 4)]) @ send.basis.T)
             # and the scales survive a checkpoint
-            send2 = LowRankCodec(groups=((r, 4),), refresh=RefreshSchedule((0,)), coef_norm=norm)
+            send2 = _lowrank(((r, 4),), (0,), norm)
             send2.load_state_dict(send.state_dict())
             m3 = _msg((T, H), key=8)
             assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m3), send2.pack_activation(x, m3)))
@@ -160,8 +170,8 @@ def test_lowrank_coef_norm_ships_scales_and_flattens_the_bit_allocation():
 def test_meanfill_fills_dropped_channels_with_the_senders_mean():
     torch.manual_seed(4)
     H, T, keep = 32, 10, 4
-    send = MeanFillCodec(refresh=RefreshSchedule([0]))
-    recv = MeanFillCodec(refresh=RefreshSchedule([0]))
+    send = _meanfill([0])
+    recv = _meanfill([0])
     x = torch.randn(T, H) + torch.arange(H, dtype=torch.float32)
     msg = _msg((T, H), keep=keep, refresh=True)
     bufs = send.pack_activation(x, msg)
@@ -198,19 +208,27 @@ def test_codec_state_round_trips_through_state_dict():
     x = torch.randn(16, 64)
     m = _msg((16, 64), refresh=True)
     recv.unpack_activation(send.pack_activation(x, m), m, torch.float32)
-    send2 = LowRankCodec(groups=((8, 8), (16, 4)), refresh=RefreshSchedule((0, 2)))
+    send2 = _lowrank(((8, 8), (16, 4)), (0, 2))
     send2.load_state_dict(send.state_dict())
     m2 = _msg((16, 64), key=5)
     assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m2), send2.pack_activation(x, m2)))
 
 
 def test_make_codec_reads_the_codec_section():
-    c = make_codec("lowrank", "auto", CodecConfig(groups=[[8, 8], [8, 2]], refresh_steps=[0], refresh_every=5))
+    from ds_twocircuit.codecs import make_codec
+    tc = TwoCircuitConfig.from_dict({"mode": "lowrank", "codec": {"groups": [[8, 8], [8, 2]], "refresh_steps": [0],
+                                                                "refresh_every": 5}})
+    c = make_codec(tc)
     assert isinstance(c, LowRankCodec) and c.rank == 16 and c.bytes_per_token() == 8 + 2 + 4
     assert c.refresh.due(10) and not c.refresh.due(7)
     assert c.coef_norm == "none"
-    assert make_codec("lowrank", "auto", CodecConfig(coef_norm="sqrt_std")).coef_norm == "sqrt_std"
-    assert isinstance(make_codec("meanfill", "fp32", None), MeanFillCodec)
+    assert build_codec("lowrank", cfg=LowRankConfig(coef_norm="sqrt_std")).coef_norm == "sqrt_std"
+    assert isinstance(build_codec("meanfill", "fp32"), MeanFillCodec)
+    # the section belongs to the codec: another codec's key is refused, naming it
+    with pytest.raises(ConfigError, match="unknown key twocircuit.codec.groups"):
+        TwoCircuitConfig.from_dict({"mode": "meanfill", "codec": {"groups": [[8, 8]]}})
+    with pytest.raises(ConfigError, match="twocircuit.codec is not used by twocircuit.mode = 'random'"):
+        TwoCircuitConfig.from_dict({"mode": "random", "codec": {"refresh_steps": [0]}})
 
 
 @pytest.mark.parametrize("section,needle", [
@@ -240,13 +258,14 @@ def _screen_module():
     return mod
 
 
-def test_screen_spec_reads_the_coefficient_norm():
+def test_screen_reads_a_config_file_with_overrides():
+    """screen_quality takes the shipped configs (and --set overrides), not codec spec strings."""
     mod = _screen_module()
-    v = mod.parse_spec("lowrank:224x4/sqrt_std")
-    assert v["codec"].groups == [[224, 4]] and v["codec"].coef_norm == "sqrt_std"
-    assert mod.parse_spec("lowrank:16x8+184x4")["codec"].coef_norm == "none"
-    with pytest.raises(ConfigError, match="coef_norm"):
-        mod.parse_spec("lowrank:224x4/std")
+    label, path, tc = mod.load_twocircuit("lowrank", ["twocircuit.codec.groups=[[112,4]]"])
+    assert path.endswith("ds_configs/lowrank.json") and label == "lowrank twocircuit.codec.groups=[[112,4]]"
+    assert tc.codec.groups == [[112, 4]] and tc.codec.coef_norm == "sqrt_std"   # the rest from the file
+    with pytest.raises(ConfigError, match="twocircuit.codec.coef_norm"):
+        mod.load_twocircuit("lowrank", ["twocircuit.codec.coef_norm=std"])
 
 
 def test_screen_paired_cosines_recover_a_systematic_error_and_not_a_batch_specific_one():

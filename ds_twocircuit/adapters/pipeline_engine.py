@@ -1,7 +1,7 @@
 """MaskedPipelineEngine: DeepSpeed's PipelineEngine with compressed stage boundaries.
 
 A thin adapter. The four boundary instructions (send/recv activations, send/recv gradients)
-hand their tensor to a codec (``codec.py``) and put only the codec's wire tensors on the link;
+hand their tensor to a codec (``ds_twocircuit.codecs``) and put only the codec's wire tensors on the link;
 the data-parallel gradient all-reduce is delegated to a pluggable DP backend (``dp/``). Every
 byte sent is counted where it is sent (``wire.py``).
 
@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .. import masks, pacing, wire
-from ..codec import DenseCodec, Message, make_codec
+from ..codecs import DENSE, Message, build_codec, make_codec
 
 EVAL_STEP_OFFSET = masks.EVAL_STEP_OFFSET  # eval_batch keys live apart from training keys
 META_BYTES = 256 * 4        # DeepSpeed's TENSOR_META_SIZE int32 handshake
@@ -56,9 +56,8 @@ class MaskedPipelineEngine(PipelineEngine):
         self.mask_seed = int(mask_seed)
         # one codec per link end: a middle stage receives on one link and sends on another, and a
         # stateful codec's state (mean, basis) belongs to one link
-        self.codec_out = make_codec(tc.mode, tc.wire_dtype, tc.codec)   # activations out, gradients in
-        self.codec_in = make_codec(tc.mode, tc.wire_dtype, tc.codec)    # activations in, gradients out
-        self.schedule_p = masks.MaskSchedule(tc.effective_mask_rate, tc.warmup_steps, tc.ramp_steps)
+        self.codec_out = make_codec(tc)   # activations out, gradients in
+        self.codec_in = make_codec(tc)    # activations in, gradients out
         self.dp_backend = dp_backend
         self.dp_rank = self.grid.get_data_parallel_id()
         self._key_step = 0
@@ -73,18 +72,10 @@ class MaskedPipelineEngine(PipelineEngine):
         n = self._counters.get(kind, 0)
         self._counters[kind] = n + 1
         micro = self.dp_rank * self.micro_batches + n
-        hidden = int(shape[-1])
-        sched_step = self._key_step % EVAL_STEP_OFFSET
-        keep = hidden if self.tc.mode in ("dense", "lowrank") else self.schedule_p.keep(sched_step, hidden)
-        scale = 1.0
-        if self.tc.rescale and keep < hidden:
-            scale = 1.0 / (1.0 - self.schedule_p.rate(sched_step))
-        key = masks.mask_key(self.mask_seed, boundary, self._key_step, micro, hidden)
+        key = masks.mask_key(self.mask_seed, boundary, self._key_step, micro, int(shape[-1]))
         # stateful codecs: the first activation message of a refresh step carries new state
-        refresh = (self.codec_out.stateful and not self._evaluating and n == 0 and kind.startswith("act")
-                   and self.codec_out.refresh.due(sched_step))
-        return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep, scale=scale,
-                       refresh=bool(refresh), train=not self._evaluating)
+        return self.codec_out.message(key, shape, self._key_step % EVAL_STEP_OFFSET,
+                                      first_of_step=n == 0 and kind.startswith("act"), train=not self._evaluating)
 
     def _begin(self, key_step: int):
         self._key_step = key_step
@@ -93,15 +84,26 @@ class MaskedPipelineEngine(PipelineEngine):
         self.codec_in.reset()
 
     def keep_fraction(self, step: int, hidden: int) -> float:
-        if self.tc.mode in ("dense", "lowrank"):
-            return 1.0
-        return self.schedule_p.keep(step, hidden) / hidden
+        return self.codec_out.keep(step, hidden) / hidden
+
+    def clean_step(self, step: int) -> bool:
+        """``twocircuit.clean_every`` K: every K-th step trains through dense boundaries (a control:
+        what a true dense step now and then buys, its bytes counted as they are sent)."""
+        k = self.tc.clean_every
+        return bool(k) and step % k == k - 1
 
     def train_batch(self, data_iter=None):
         self._begin(self.global_steps)
         step = self.global_steps
-        out = super().train_batch(data_iter)
-        self._flush_sends()
+        coded = self.codec_out, self.codec_in
+        if self.clean_step(step):   # the run's codecs neither see nor ship anything this step
+            self.codec_out, self.codec_in = (build_codec(DENSE, self.tc.wire_dtype),
+                                             build_codec(DENSE, self.tc.wire_dtype))
+        try:
+            out = super().train_batch(data_iter)
+            self._flush_sends()
+        finally:
+            self.codec_out, self.codec_in = coded
         if self.dp_backend is not None:
             self.step_stats = self.dp_backend.pop_step_stats()
         self.step_stats["step"] = step
@@ -112,7 +114,8 @@ class MaskedPipelineEngine(PipelineEngine):
         the run's codec (how the mesh serves it). The codec's state is left untouched."""
         coded = self.codec_out, self.codec_in
         if dense:
-            self.codec_out, self.codec_in = DenseCodec(coded[0].wire_dtype), DenseCodec(coded[1].wire_dtype)
+            self.codec_out, self.codec_in = (build_codec(DENSE, self.tc.wire_dtype),
+                                             build_codec(DENSE, self.tc.wire_dtype))
         self._begin(EVAL_STEP_OFFSET + self.global_steps)
         self._evaluating = True
         try:

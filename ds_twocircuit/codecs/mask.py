@@ -1,96 +1,37 @@
-"""Boundary codecs: what of a (..., H) activation or gradient crosses a pipeline link.
+"""Channel-selection codecs: each token keeps ``K = round((1 - p) H)`` of its H channels.
 
-A codec turns a dense tensor into a list of wire tensors (``pack``) and back (``unpack``), given
-a :class:`Message` that both ends can build without talking: the key of the PRF mask, the shape,
-and the number of kept channels. Three codecs:
-
-* :class:`DenseCodec`   -- the whole tensor (stock DeepSpeed behaviour), optionally cast.
-* :class:`RandomMaskCodec` -- only the K PRF-selected values per token; the receiver scatters
-  them into zeros. Activations and gradients of one micro-batch use the same key, so the
-  gradient crossing back has exactly the sparsity pattern of the forward mask (the product
-  ``h * mask`` is in the graph).
-* :class:`TopKCodec` -- the K largest-magnitude channels per token, values plus indices
-  (ablation baseline). The gradient goes back on the indices the forward pass chose, so only
-  values travel backwards.
-
-Pure torch, no DeepSpeed: the engine adapter and the single-process reference share it.
+* ``random`` (:class:`RandomMaskCodec`, the paper's method) -- only the K PRF-selected values per
+  token; the receiver scatters them into zeros. Activations and gradients of one micro-batch use the
+  same key, so the gradient crossing back has exactly the sparsity pattern of the forward mask (the
+  product ``h * mask`` is in the graph). No indices cross the wire.
+* ``topk`` (:class:`TopKCodec`, an ablation baseline) -- the K largest-magnitude channels per token,
+  values plus indices. The gradient goes back on the indices the forward pass chose, so only values
+  travel backwards.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import masks
-
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Message:
-    key: int          # PRF key (seed, boundary, step, micro-batch, hidden)
-    shape: tuple      # full tensor shape (..., H)
-    keep: int         # kept channels per token (== H means dense)
-    scale: float = 1.0  # 1/(1-p) when rescaling, else 1
-    refresh: bool = False  # stateful codecs: this activation message carries new codec state
-    train: bool = True     # a training message (stateful codecs measure only these)
-
-    @property
-    def hidden(self) -> int:
-        return int(self.shape[-1])
-
-    @property
-    def tokens(self) -> int:
-        n = 1
-        for s in self.shape[:-1]:
-            n *= int(s)
-        return n
+from .. import masks
+from ..configkit import ConfigError
+from .base import Codec, Message, register_codec
+from .dense import DenseCodec
 
 
-class DenseCodec:
-    name = "dense"
-    stateful = False
-
-    def __init__(self, wire_dtype=None):
-        self.wire_dtype = wire_dtype
-
-    def _wire(self, dtype):
-        return self.wire_dtype or dtype
-
-    def pack_activation(self, x: torch.Tensor, msg: Message) -> list[torch.Tensor]:
-        return [x.detach().to(self._wire(x.dtype)).contiguous()]
-
-    def activation_buffers(self, msg: Message, dtype, device) -> list[torch.Tensor]:
-        return [torch.empty(msg.shape, dtype=self._wire(dtype), device=device)]
-
-    def unpack_activation(self, bufs, msg: Message, dtype) -> torch.Tensor:
-        return bufs[0].to(dtype).view(msg.shape)
-
-    def pack_gradient(self, g: torch.Tensor, msg: Message) -> list[torch.Tensor]:
-        return self.pack_activation(g, msg)
-
-    def gradient_buffers(self, msg: Message, dtype, device) -> list[torch.Tensor]:
-        return self.activation_buffers(msg, dtype, device)
-
-    def unpack_gradient(self, bufs, msg: Message, dtype) -> torch.Tensor:
-        return self.unpack_activation(bufs, msg, dtype)
-
-    def forget(self, msg: Message) -> None:
-        pass
-
-    def reset(self) -> None:
-        """Drop per-step state (called at the start of every train/eval batch)."""
-
-
-class RandomMaskCodec(DenseCodec):
+@register_codec("random")
+class RandomMaskCodec(Codec):
     """Keeps the PRF-selected channels; indices are regenerated on both sides, never sent."""
 
-    name = "random"
+    uses_mask = True
 
-    def __init__(self, wire_dtype=None, cache_size: int = 64):
-        super().__init__(wire_dtype)
+    def __init__(self, wire_dtype=None, schedule=None, rescale=False, cfg=None, cache_size: int = 64):
+        super().__init__(wire_dtype, schedule, rescale, cfg)
         self._cache: dict = {}
         self._cache_size = cache_size
+
+    def payload_bytes(self, hidden, element_bytes, step=None):
+        n = self._keep_after(hidden, step) * self._element_bytes(element_bytes)
+        return n, n
 
     def indices(self, msg: Message, device) -> torch.Tensor:
         ck = (msg.key, msg.tokens, msg.hidden, msg.keep, str(device))
@@ -135,22 +76,34 @@ class RandomMaskCodec(DenseCodec):
     unpack_activation = unpack_gradient = _unpack
 
 
-class TopKCodec(DenseCodec):
+@register_codec("topk")
+class TopKCodec(Codec):
     """K largest-|x| channels per token: values and indices forward, values backward.
 
     The sender keeps the indices it chose for each micro-batch until the gradient of that
     micro-batch returns (messages on a link are FIFO); the receiver keeps the ones it got."""
 
-    name = "topk"
+    uses_mask = True
 
-    def __init__(self, wire_dtype=None):
-        super().__init__(wire_dtype)
+    def __init__(self, wire_dtype=None, schedule=None, rescale=False, cfg=None):
+        super().__init__(wire_dtype, schedule, rescale, cfg)
         self._indices: dict[int, torch.Tensor] = {}
 
     # NCCL has no int16: indices travel as their int16 (or int32) bytes, bit-cast to uint8 (the same
     # bytes on the wire; every NCCL build has uint8).
     NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                    torch.float32, torch.float64)
+
+    @classmethod
+    def check_config(cls, tc, prefix):
+        super().check_config(tc, prefix)
+        if tc.mask_rate == 0.0:
+            raise ConfigError(f"{prefix}.mask_rate must be > 0 with {prefix}.mode = 'topk'")
+
+    def payload_bytes(self, hidden, element_bytes, step=None):
+        keep = self._keep_after(hidden, step)
+        vals = keep * self._element_bytes(element_bytes)
+        return vals + keep * self._index_width(hidden), vals
 
     @staticmethod
     def index_dtype(hidden: int):
@@ -202,21 +155,3 @@ class TopKCodec(DenseCodec):
 
     def reset(self):
         self._indices.clear()
-
-
-CODECS = {"dense": DenseCodec, "random": RandomMaskCodec, "topk": TopKCodec}
-STATEFUL = ("meanfill", "lowrank")
-
-
-def make_codec(mode: str, wire_dtype: str | None, codec_cfg=None):
-    """``codec_cfg``: the ``twocircuit.codec`` section (groups, refresh schedule) for the stateful
-    codecs ``meanfill`` and ``lowrank`` (``statecodecs.py``)."""
-    dt = None if wire_dtype in (None, "auto") else WIRE_DTYPES[wire_dtype]
-    if mode in STATEFUL:
-        from .statecodecs import LowRankCodec, MeanFillCodec, RefreshSchedule
-        refresh = RefreshSchedule(getattr(codec_cfg, "refresh_steps", (0,)), getattr(codec_cfg, "refresh_every", 0))
-        if mode == "meanfill":
-            return MeanFillCodec(wire_dtype=dt, refresh=refresh)
-        return LowRankCodec(wire_dtype=dt, groups=getattr(codec_cfg, "groups", ((16, 8), (184, 4))), refresh=refresh,
-                            coef_norm=getattr(codec_cfg, "coef_norm", "none"))
-    return CODECS[mode](wire_dtype=dt)

@@ -1,0 +1,70 @@
+"""Grouped symmetric quantisation of per-token coefficient vectors (the ``lowrank`` codec's wire)."""
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPE = torch.bfloat16
+ALLOWED_BITS = (2, 4, 8)
+
+
+def group_bytes(groups) -> int:
+    """Wire bytes per token of the packed coefficients plus one bf16 scale per group."""
+    return sum(n * b // 8 for n, b in groups) + 2 * len(groups)
+
+
+def quantize_groups(c: torch.Tensor, groups) -> list[torch.Tensor]:
+    """(T, r) float -> [packed uint8 (T, sum n*b/8), scales bf16 (T, G)]. Per token and group:
+    symmetric round-to-nearest at ``b`` bits with the scale max|c| / (2^(b-1) - 1), rounded to bf16
+    before use so that both ends dequantise with the same scale."""
+    packed, scales, i = [], [], 0
+    for n, b in groups:
+        x = c[:, i:i + n].float()
+        i += n
+        lim = (1 << (b - 1)) - 1
+        s = (x.abs().amax(1, keepdim=True) / lim).to(SCALE_DTYPE)
+        sf = s.float()
+        q = torch.round(x / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp_(-lim, lim)
+        u = (q + lim).to(torch.int32)  # 0 .. 2 lim < 2^b
+        per = 8 // b
+        u = u.view(u.shape[0], n // per, per)
+        shifts = torch.arange(per, device=u.device, dtype=torch.int32) * b
+        packed.append((u << shifts).sum(2).to(torch.uint8))
+        scales.append(s)
+    return [torch.cat(packed, 1).contiguous(), torch.cat(scales, 1).contiguous()]
+
+
+def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, groups) -> torch.Tensor:
+    out, col = [], 0
+    for g, (n, b) in enumerate(groups):
+        per = 8 // b
+        nb = n // per
+        byte = packed[:, col:col + nb].to(torch.int32)
+        col += nb
+        lim = (1 << (b - 1)) - 1
+        shifts = torch.arange(per, device=byte.device, dtype=torch.int32) * b
+        u = (byte.unsqueeze(2) >> shifts) & ((1 << b) - 1)
+        q = u.reshape(u.shape[0], n).float() - lim
+        out.append(q * scales[:, g:g + 1].float())
+    return torch.cat(out, 1)
+
+
+def check_groups(groups, hidden: int | None = None, key: str = "groups") -> list[tuple[int, int]]:
+    """Validate ``[[n, bits], ...]``; errors name ``key`` and what is allowed."""
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise ValueError(f"{key} must be a non-empty list of [count, bits] pairs, got {groups!r}")
+    out = []
+    for g in groups:
+        if (not isinstance(g, (list, tuple)) or len(g) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in g)):
+            raise ValueError(f"{key}: each entry must be [count, bits] (integers), got {g!r}")
+        n, b = g
+        if b not in ALLOWED_BITS:
+            raise ValueError(f"{key}: bits = {b} in {g!r}; allowed: {', '.join(map(str, ALLOWED_BITS))}")
+        if n < 1 or n % (8 // b):
+            raise ValueError(f"{key}: count {n} in {g!r} must be a positive multiple of {8 // b} "
+                             f"(values packed per byte at {b} bits)")
+        out.append((n, b))
+    r = sum(n for n, _ in out)
+    if hidden is not None and r > hidden:
+        raise ValueError(f"{key}: rank {r} (the sum of the counts) exceeds the hidden size {hidden}")
+    return out

@@ -1,0 +1,118 @@
+"""What the codecs with state share: the refresh schedule, the sender's running moments, and the
+state protocol.
+
+Invariant: both ends apply the state only from the message that carries it, so sender and receiver
+hold the same (rounded) state at every message; which messages carry state is a pure function of
+(step, first message of the step, state present), known to both ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..configkit import ConfigError, check_range
+from .base import Codec, Message
+
+
+class RefreshSchedule:
+    """Which training steps refresh the codec state: the listed ``steps``, plus every ``every``
+    steps after the last listed one (0: never)."""
+
+    def __init__(self, steps=(0,), every: int = 0):
+        self.steps = sorted(int(s) for s in steps)
+        self.every = int(every)
+
+    def due(self, step: int) -> bool:
+        if step in self.steps:
+            return True
+        last = self.steps[-1] if self.steps else 0
+        return self.every > 0 and step > last and (step - last) % self.every == 0
+
+
+@dataclass(frozen=True)
+class RefreshConfig:
+    """The refresh keys of a stateful codec's ``twocircuit.codec`` section."""
+    refresh_steps: list = field(default_factory=lambda: [0, 1, 3])  # steps whose first message ships
+                                    # new state fitted on everything the sender saw
+    refresh_every: int = 0          # and every N steps after the last listed one (0: never)
+
+    def validate(self, p):
+        if (not isinstance(self.refresh_steps, list) or not self.refresh_steps
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.refresh_steps)):
+            raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
+                              f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
+        check_range(self.refresh_every, f"{p}.refresh_every", 0, 1 << 30)
+
+    def schedule(self) -> RefreshSchedule:
+        return RefreshSchedule(self.refresh_steps, self.refresh_every)
+
+
+class RunningMoments:
+    """Token count, sum and (optionally) sum of outer products of the sender's activations, in
+    float64 (a covariance of H x H)."""
+
+    def __init__(self, second: bool):
+        self.second = second
+        self.n = 0
+        self.s1 = None
+        self.s2 = None
+
+    def add(self, flat: torch.Tensor) -> None:
+        f = flat.detach().to(torch.float64)
+        if self.s1 is None:
+            self.s1 = torch.zeros(f.shape[1], dtype=torch.float64, device=f.device)
+            if self.second:
+                self.s2 = torch.zeros(f.shape[1], f.shape[1], dtype=torch.float64, device=f.device)
+        self.n += f.shape[0]
+        self.s1 += f.sum(0)
+        if self.second:
+            self.s2 += f.T @ f
+
+    def mean(self) -> torch.Tensor:
+        return self.s1 / max(self.n, 1)
+
+    def covariance(self) -> torch.Tensor:
+        m = self.mean()
+        return self.s2 / max(self.n, 1) - torch.outer(m, m)
+
+    def state_dict(self):
+        return {"n": self.n, "s1": self.s1, "s2": self.s2}
+
+    def load_state_dict(self, d):
+        self.n, self.s1, self.s2 = d["n"], d["s1"], d["s2"]
+
+
+class StatefulCodec(Codec):
+    """A codec whose sender measures its own activations and ships state on refresh (counted as
+    ``pp_codec_state``). Subclasses name the state tensors in ``_STATE_FIELDS``."""
+
+    stateful = True
+    _STATE_FIELDS: tuple = ()
+
+    def _init_state(self, second: bool):
+        self.refresh = (self.cfg or RefreshConfig()).schedule()
+        self.moments = RunningMoments(second)
+        self.has_state = False
+        self.state_bytes_sent = 0
+
+    def refresh_due(self, step: int) -> bool:
+        return self.refresh.due(step)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue bit-for-bit (saved per rank)."""
+        return {"moments": self.moments.state_dict(), "has_state": self.has_state,
+                **{k: getattr(self, k) for k in self._STATE_FIELDS}}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.moments.load_state_dict(d["moments"])
+        self.has_state = d["has_state"]
+        for k in self._STATE_FIELDS:
+            setattr(self, k, d[k])
+
+    def state_tensor_count(self, msg: Message) -> int:
+        return len(self._STATE_FIELDS) if self.carries_state(msg) else 0
+
+    def carries_state(self, msg: Message) -> bool:
+        """Whether this activation message carries new state (both ends answer the same)."""
+        return msg.refresh or not self.has_state
