@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Screen boundary codecs on the base model in minutes, before any long run.
 
-For each codec: held-out loss of the untrained model through the codec (state fitted on the
-sender's training activations, as in a run), and the cosine between the gradient through the codec
-and the dense gradient of the same batch, averaged over the 2-D decoder matrices below and above
-the boundary (the masked-gradient premise of the anchor corrections). Same model, boundary,
-calibration batches, held-out sequences and gradient batch for every codec.
+For each config file (the codec of its ``twocircuit`` section, ``--set`` overrides applied): held-out
+loss of the untrained model through the codec (state fitted on the sender's training activations,
+as in a run), and the cosine between the gradient through the codec and the dense gradient of the
+same batch, averaged over the 2-D decoder matrices below and above the boundary (the masked-gradient
+premise of the anchor corrections). Same model, boundary, calibration batches, held-out sequences and
+gradient batch for every config. The codec objects are the ones the engines build from the config
+(``codecs.make_codec``); no optimizer is built: nothing trains here.
 
-    python launch/screen_quality.py                                   # the default list
-    python launch/screen_quality.py --codecs 'lowrank:16x8+184x4,random:0.95,meanfill:0.95'
-    python launch/screen_quality.py --out docs/benchmarks/screen.json
-    python launch/screen_quality.py --codecs lowrank:224x4/sqrt_std --paired 1,4
+    python launch/screen_quality.py --configs dense,m95,meanfill95,lowrank
+    python launch/screen_quality.py --configs lowrank --set twocircuit.codec.groups='[[112,4]]'
+    python launch/screen_quality.py --configs lowrank --paired 1,4 --out docs/benchmarks/screen.json
 
 ``--paired N,M``: also screens the premise of delayed error feedback (``anchor.correction =
 delayed_ef``) on each codec: the error ``c = G_dense - G_codec`` measured on N (then M) batches
@@ -19,10 +20,6 @@ to the target batches' codec gradient, ``cos(G_codec + lambda * c, G_dense)`` fo
 ``--paired-lambdas`` value (lambda 0 = the codec alone), every gradient first clipped to
 ``--paired-clip`` global norm over the decoder matrices (the pair on the same footing, as
 ``run_anchor`` clips the anchor's). A correction that helps raises the cosine above lambda 0.
-
-Codec specs: ``dense``, ``random:P``, ``meanfill:P``, ``lowrank:NxB+NxB...`` (N coefficients at B
-bits, leading principal directions first), optionally ``/sqrt_std`` (``codec.coef_norm``), e.g.
-``lowrank:224x4/sqrt_std``.
 """
 from __future__ import annotations
 
@@ -33,34 +30,18 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULT = "dense,random:0.95,meanfill:0.95,lowrank:112x8,lowrank:16x8+184x4,lowrank:8x8+88x4"
+DEFAULT = "dense,m95,meanfill95,lowrank"
 
 
-def parse_spec(spec: str) -> dict:
-    """``lowrank:16x8+184x4`` -> mode, mask rate and codec section; errors say what is allowed."""
-    from ds_twocircuit.config import CodecConfig
-    mode, _, arg = spec.partition(":")
-    if mode == "dense":
-        return {"mode": "dense", "p": 0.0, "codec": None}
-    if mode in ("random", "meanfill"):
-        try:
-            p = float(arg)
-        except ValueError:
-            raise SystemExit(f"--codecs {spec!r}: expected {mode}:P with P a mask rate in [0, 1)") from None
-        return {"mode": mode, "p": p, "codec": CodecConfig(refresh_steps=[0])}
-    if mode == "lowrank":
-        layout, _, norm = arg.partition("/")
-        try:
-            groups = [[int(v) for v in g.split("x")] for g in layout.split("+")]
-        except ValueError:
-            raise SystemExit(f"--codecs {spec!r}: expected lowrank:NxB+NxB[/COEF_NORM] (N coefficients at "
-                             "B bits)") from None
-        cfg = CodecConfig(groups=groups, refresh_steps=[0], coef_norm=norm or "none")
-        cfg.validate("--codecs " + spec)
-        return {"mode": "lowrank", "p": 0.0, "codec": cfg}
-    raise SystemExit(f"--codecs {spec!r}: unknown codec; allowed: dense, random:P, meanfill:P, "
-                     "lowrank:NxB+...[/COEF_NORM]")
+def load_twocircuit(config: str, overrides: list[str]):
+    """(label, TwoCircuitConfig) of a config file (or shipped name) with ``overrides`` applied."""
+    from ds_twocircuit.config import TwoCircuitConfig, apply_overrides, load_ds_config, resolve_config
+    path = resolve_config(config if config.endswith(".json") or "/" in config else f"{config}.json")
+    ds = apply_overrides(load_ds_config(path), overrides)
+    label = os.path.splitext(os.path.basename(path))[0] + "".join(f" {o}" for o in overrides)
+    return label, path, TwoCircuitConfig.from_dict(ds.get("twocircuit"))
 
 
 def clip_global(g: dict, max_norm: float) -> dict:
@@ -96,7 +77,9 @@ def paired_cosines(pairs, targets, lambdas, clip: float = 0.0) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--codecs", default=DEFAULT)
+    ap.add_argument("--configs", default=DEFAULT, help="comma-separated config files or shipped config names")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a key of every config (dotted path, JSON value), as launch/train.py --set")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", default="sympy", help="training corpus (as launch/train.py --data)")
     ap.add_argument("--pp", type=int, default=2)
@@ -119,7 +102,11 @@ def main():
                          "(e.g. 0.25,0.5,1)") from None
     if any(n < 1 for n in paired) or args.paired_targets < 1:
         raise SystemExit("--paired counts and --paired-targets must be >= 1")
-    specs = [(s, parse_spec(s)) for s in args.codecs.split(",")]
+    from ds_twocircuit.config import ConfigError
+    try:
+        specs = [load_twocircuit(c, args.overrides) for c in args.configs.split(",")]
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
     import torch
@@ -129,6 +116,7 @@ def main():
     from ds_twocircuit.masks import EVAL_STEP_OFFSET
     from ds_twocircuit.models.layers import causal_lm_loss, hf_decoder_matrices
     from ds_twocircuit.models.presets import resolve_model
+    from ds_twocircuit.codecs import make_codec
     from ds_twocircuit.reference import BoundaryMasker, untie_head
 
     folder = resolve_model(args.model)
@@ -156,10 +144,11 @@ def main():
     dense_extra = {at: grads(None, at) for at in tqdm(tgt_at + pair_at, desc="dense gradients (paired)",
                                                        unit="batch", disable=not paired)}
     rows = []
-    for spec, v in tqdm(specs, desc="codecs", unit="codec"):
+    for spec, path, tc in tqdm(specs, desc="codecs", unit="codec"):
         t0 = time.time()
-        masker = BoundaryMasker(model, args.pp, mode=v["mode"], mask_rate=v["p"], seed=args.seed,
-                                codec_cfg=v["codec"], gas=10 ** 9)
+        masker = BoundaryMasker(model, args.pp, lambda tc=tc: make_codec(tc), seed=args.seed,
+                                partition=tc.partition, gas=10 ** 9)
+        masker.count = False   # a probe, not traffic
         layer = masker.parts[1] - 1  # the first stage's last HF decoder index, for the split below
         with torch.no_grad():  # sender statistics from training activations; the last batch is
             n = len(range(0, args.calibration_sequences, mb))  # message 0 of step 0: a refresh
@@ -181,7 +170,7 @@ def main():
         cos = below_above({n: float(torch.nn.functional.cosine_similarity(g[n].flatten(), dense_g[n].flatten(), dim=0))
                            for n in mats})
         row_paired = []
-        if paired and v["mode"] != "dense":
+        if paired and not masker.pair(0)[0].identity:
             coded = {at: grads(masker, at, k + 1) for k, at in enumerate(tgt_at + pair_at)}
             targets = [(coded[at], dense_extra[at]) for at in tgt_at]
             for n_pairs in paired:
@@ -189,7 +178,8 @@ def main():
                                      lambdas, clip=args.paired_clip)
                 row_paired += [{"pairs": n_pairs, "lambda": lam, **below_above(per)} for lam, per in pcs.items()]
         masker.remove()
-        rows.append({"codec": spec, "heldout_loss": round(sum(losses) / len(losses), 4), **cos,
+        rows.append({"codec": spec, "config": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path,
+                     "overrides": args.overrides, "heldout_loss": round(sum(losses) / len(losses), 4), **cos,
                      "seconds": round(time.time() - t0, 1)})
         if row_paired:
             rows[-1]["paired"] = row_paired

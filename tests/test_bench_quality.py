@@ -1,9 +1,9 @@
-"""launch/bench_quality.py on the tiny preset (single process, seconds): the `clean` control trains
-through a dense boundary on its clean steps and counts their dense bytes; the delayed_ef pair is
-clipped like the fast step's."""
+"""launch/bench_quality.py: every row is a launch/train.py --engine reference run of a config file
+(plus --set overrides), its bytes from the run's meter; the report pairs each config with the
+baseline on the same seeds. Tiny preset, single process, seconds."""
+import json
 import os
 import sys
-import types
 
 import pytest
 
@@ -12,96 +12,66 @@ from launch_helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import bench_quality as bq  # noqa: E402
 
-CODEC = dict(groups=[[8, 4]], refresh_steps=[0], refresh_every=0)
+SMALL = ["--model", "tiny", "--data", "deepspeed-cpp", "--seq-len", "32", "--steps", "2", "--eval-sequences", "8"]
 
 
-def _args(**kw):
-    a = dict(model="tiny", data="deepspeed-cpp", seq_len=32, batch=4, micro_batch=2, lr=1e-3, pp=2, seed=0, eval_sequences=2,
-             eval_every=100, steps=4, save_dir=None)
-    a.update(kw)
-    return types.SimpleNamespace(**a)
-
-
-def _hidden():
-    from transformers import AutoConfig
-    from ds_twocircuit.models.presets import resolve_model
-    return AutoConfig.from_pretrained(resolve_model("tiny")).hidden_size
-
-
-def test_clean_steps_train_through_a_dense_boundary_and_count_dense_bytes(monkeypatch):
-    monkeypatch.setitem(bq.VARIANTS, "t_clean1", dict(mode="lowrank", p=0.0, codec=CODEC, clean_every=1))
-    monkeypatch.setitem(bq.VARIANTS, "t_clean2", dict(mode="lowrank", p=0.0, codec=CODEC, clean_every=2))
-    monkeypatch.setitem(bq.VARIANTS, "t_coded", dict(mode="lowrank", p=0.0, codec=CODEC))
-    dense = bq.run_variant("dense", _args())
-    every = bq.run_variant("t_clean1", _args())
-    # every step clean: exactly dense training, no codec state shipped, dense bytes
-    assert every["train_loss"] == dense["train_loss"]
-    assert every["heldout_loss"] == dense["heldout_loss"]
-    assert every["pp_codec_state_bytes"] == 0 and every["pp_bytes_ratio"] == 1.0
-    coded = bq.run_variant("t_coded", _args())
-    half = bq.run_variant("t_clean2", _args())
-    # steps 1 and 3 clean: step 0 trains as the coded run, step 1 differs from it
-    assert half["train_loss"][0] == coded["train_loss"][0] != dense["train_loss"][0]
-    assert half["train_loss"][1] != coded["train_loss"][1]
-    H, tok_step = _hidden(), 4 * 32
-    payload = bq.payload_bytes_per_token(bq.VARIANTS["t_coded"], H)
-    assert payload == 8 * 4 // 8 + 2  # 8 coefficients at 4 bits + one bf16 scale
-    state = half["pp_codec_state_bytes"]
-    assert state > 0
-    assert half["pp_bytes"] == 2 * 2 * tok_step * payload + 2 * 2 * tok_step * H * 4 + state
-    assert coded["pp_bytes"] == 2 * 4 * tok_step * payload + coded["pp_codec_state_bytes"]
-
-
-def test_anchor_clip_pairs_a_clipped_dense_gradient(monkeypatch):
-    """With anchor_clip the anchor's dense gradient is clipped by the fast step's rule before it is
-    paired with the kept (clipped) coded gradient; without it, it arrives unclipped."""
-    import torch
-    from ds_twocircuit.anchor.corrections import DelayedErrorFeedback
-    norms = []
-    orig = DelayedErrorFeedback.submit_anchor_gradients
-
-    def spy(self, grads, source_step):
-        norms.append(float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))))
-        return orig(self, grads, source_step)
-
-    monkeypatch.setattr(DelayedErrorFeedback, "submit_anchor_gradients", spy)
-    base = dict(mode="lowrank", p=0.0, codec=CODEC, correction="delayed_ef", every=1, lam=1.0, beta=0.5)
-    monkeypatch.setitem(bq.VARIANTS, "t_def_clip", dict(base, anchor_clip=0.05))
-    monkeypatch.setitem(bq.VARIANTS, "t_def_raw", base)
-    bq.run_variant("t_def_clip", _args(steps=3))
-    clipped, norms[:] = list(norms), []
-    bq.run_variant("t_def_raw", _args(steps=3))
-    assert len(clipped) == 2 and max(clipped) <= 0.05 * (1 + 1e-4)   # delivered at steps 1 and 2
-    assert len(norms) == 2 and min(norms) > 0.05                      # unclipped: far above it
-
-
-def test_report_compares_each_variant_with_dense_training_on_the_same_seeds(tmp_path):
-    import json
-
-    def row(variant, seed, loss, **settings):
-        return {"variant": variant, "seed": seed, "steps": 2, "tokens": 256, "heldout_loss": loss,
-                "heldout_loss_coded": None if variant == "dense" else loss + 0.1, "heldout_loss_base": 3.0,
-                "settings": {"mode": "dense" if variant == "dense" else "lowrank", "p": 0.0, **settings},
-                "pp_bytes_ratio": 1.0 if variant == "dense" else 20.0, "pp_bytes": 1, "pp_codec_state_bytes": 0,
-                "tokens_per_s": 10.0, "heldout": [{"step": 0, "dense": 3.0, "coded": 4.0}, {"step": 2, "dense": loss, "coded": loss + 0.1}],
-                "command": "x"}
+def test_rows_come_from_the_trainer_on_the_config_files(tmp_path):
     results = tmp_path / "q.jsonl"
-    rows = [row("dense", 0, 2.0), row("dense", 1, 3.0), row("a", 0, 2.2), row("a", 1, 3.3),
-            row("b", 1, 3.3, clean_every=10), row("b", 1, 3.6, clean_every=10)]  # the newest of a seed counts
+    common = [*SMALL, "--results", str(results), "--work-dir", str(tmp_path / "runs")]
+    bq.main(["--configs", "dense", "--seeds", "0,1", *common])
+    bq.main(["--configs", "lowrank", "--seeds", "0,1", "--set", "twocircuit.codec.groups=[[16,4]]", *common])
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["label"], r["seed"]) for r in rows] == [
+        ("dense", 0), ("dense", 1), ("lowrank twocircuit.codec.groups=[[16,4]]", 0),
+        ("lowrank twocircuit.codec.groups=[[16,4]]", 1)]
+    dense, coded = rows[0], rows[2]
+    assert dense["config"] == "ds_configs/dense.json" and coded["overrides"] == ["twocircuit.codec.groups=[[16,4]]"]
+    import shlex
+    argv = shlex.split(coded["command"])
+    assert argv[:4] == ["python", "launch/train.py", "--engine", "reference"]
+    assert argv[argv.index("--deepspeed") + 1] == "ds_configs/lowrank.json"
+    assert argv[argv.index("--set") + 1] == "twocircuit.codec.groups=[[16,4]]"
+    # bytes from the meter: the tiny model's 64 channels in fp32, and 16 coefficients at 4 bits plus a
+    # bf16 scale per token (10 bytes) plus the state shipped once (mean + basis, bf16) over 2 x 2 x 4 x 32 tokens
+    H, tokens = 64, 2 * 2 * 4 * 32
+    assert dense["pp_bytes_per_token"] == H * 4 and dense["pp_bytes_ratio"] == 1.0
+    assert dense["pp_bytes_ratio_bf16"] == 0.5
+    state = coded["pp_codec_state_bytes"]
+    assert state == 2 * (H + H * 16 + 16)                     # lowrank.json: coef_norm sqrt_std (16 scales)
+    assert coded["pp_bytes_per_token"] == pytest.approx(10 + state / (2 * tokens), abs=1e-3)
+    assert coded["heldout_loss_coded"] is not None and dense["heldout_loss_coded"] is None
+    assert dense["heldout_loss_base"] == coded["heldout_loss_base"]          # the same held-out windows
+    assert [c["step"] for c in coded["curve"]] == [0, 2]
+
+    out = bq.report(bq.parse(["--report", "--results", str(results)]))
+    by = {s["label"]: s for s in out["summary"]}
+    s = by["lowrank twocircuit.codec.groups=[[16,4]]"]
+    paired = {r["seed"]: r["heldout_loss"] - rows[r["seed"]]["heldout_loss"] for r in rows[2:]}
+    assert s["paired_diff"] == pytest.approx(paired)
+    assert s["vs_baseline"] == pytest.approx((rows[2]["heldout_loss"] + rows[3]["heldout_loss"])
+                                             / (rows[0]["heldout_loss"] + rows[1]["heldout_loss"]))
+    table = (tmp_path / "q.md").read_text()
+    assert "| `dense` | deepspeed-cpp | 0,1 |" in table and (tmp_path / "q.png").exists()
+
+
+def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
+    def row(label, seed, loss, ratio_bf16, domain="sympy"):
+        return {"label": label, "config": f"ds_configs/{label}.json", "overrides": [], "seed": seed,
+                "domain": domain, "steps": 10, "tokens": 100, "heldout_loss": loss, "heldout_loss_coded": None,
+                "heldout_stderr": 0.01, "heldout_loss_base": 3.0, "pp_bytes_per_token": 1.0, "pp_bytes_ratio": 2 * ratio_bf16,
+                "pp_bytes_ratio_bf16": ratio_bf16, "dp_bytes": 0, "anchor_bytes": 0, "tokens_per_s": 1.0, "curve": []}
+    rows = [row("dense", 0, 2.0, 0.5), row("dense", 1, 2.2, 0.5),
+            row("a", 0, 2.01, 20.2), row("a", 1, 2.21, 20.2),        # +0.5%: meets both
+            row("b", 0, 1.9, 25.0),                                  # better, one seed only
+            row("c", 0, 2.0, 10.0), row("c", 1, 2.2, 10.0),          # too many bytes
+            row("d", 0, 2.1, 30.0), row("d", 1, 2.3, 30.0),          # +4.8%: too far from dense
+            row("a", 1, 2.25, 20.2)]                                 # the newest run of a seed counts
+    results = tmp_path / "r.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    bq.report(types.SimpleNamespace(results=str(results), model="tiny"))
-    out = json.loads((tmp_path / "q.json").read_text())
-    vs = {s["variant"]: s["vs_dense"] for s in out["summary"]}
-    assert vs["a"] == pytest.approx(1.1) and vs["b"] == pytest.approx(1.2)  # b: seed 1 only, 3.6 / 3.0
-    assert out["recommended"] == "a"                                        # the only one with 2 seeds
-    assert {r["correction"] for r in out["rows"] if r["variant"] == "b"} == {"clean every 10"}
-    assert "| `b` | 1 | 3.600 |" in (tmp_path / "q.md").read_text()
-    # the table rounds the exact mean once: 2.39648 prints 2.396 (rounded to 4 first it printed 2.397)
-    results.write_text(json.dumps(row("dense", 0, 2.3)) + "\n" + json.dumps(row("c", 0, 2.39648)) + "\n")
-    bq.report(types.SimpleNamespace(results=str(results), model="tiny"))
-    assert "| `c` | 0 | 2.396 |" in (tmp_path / "q.md").read_text()
-    assert json.loads((tmp_path / "q.json").read_text())["summary"][1]["heldout_loss_mean"] == 2.3965
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+    summary = bq.summarise(bq.load_rows(str(results)), "dense")
+    a = next(s for s in summary if s["label"] == "a")
+    assert a["paired_diff"] == pytest.approx({0: 0.01, 1: 0.05})
+    assert bq.recommend(summary, "dense") is None                    # a is +1.4% with the newest seed 1
+    rows[-1] = row("a", 1, 2.211, 20.2)
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"

@@ -42,16 +42,21 @@ def pretend_accelerator(monkeypatch):
 
 
 def test_summary_reductions_use_the_comm_device(pretend_accelerator):
-    from ds_twocircuit import train, wire
-    world = types.SimpleNamespace(size=2, rank=0)
+    from ds_twocircuit import wire
+    from ds_twocircuit.adapters.dist import World
+    from ds_twocircuit.adapters.engine import PipelineEngine
+    world = World("fast", 0, 2, 0, 2, 0, "nccl")
     wire.count("pp_activations", 123)
-    totals = train._allreduce_wire(world, {"dp_final_sync": 7})
+    totals = world.sum({**wire.totals(), "dp_final_sync": 7})
     assert totals["dp_final_sync"] == 7 and totals["pp_activations"] >= 123
-    assert train.sum_over_ranks({"a": 1.5, "b": 2.0}, world) == {"a": 1.5, "b": 2.0}
-    engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2),
-                                   grid=types.SimpleNamespace(get_data_parallel_group=lambda: None))
-    assert train._replicas_identical(engine, types.SimpleNamespace(dp=2)) is True
-    assert len(pretend_accelerator) == 3
+    assert world.sum({"a": 1.5, "b": 2.0}) == {"a": 1.5, "b": 2.0}
+    assert world.max(3.0) == 3.0
+    engine = PipelineEngine.__new__(PipelineEngine)
+    engine.ds = types.SimpleNamespace(module=torch.nn.Linear(2, 2),
+                                      grid=types.SimpleNamespace(get_data_parallel_group=lambda: None))
+    engine.plan = types.SimpleNamespace(dp=2)
+    assert engine.replicas_identical() is True
+    assert len(pretend_accelerator) == 4
 
 
 def test_anchor_link_finish_uses_the_comm_device(pretend_accelerator):

@@ -169,30 +169,36 @@ def test_heldout_windows_are_fixed_and_spread(tok):
 
 
 class _FakeEngine:
-    """Stands in for the pipeline engine: each eval_batch call consumes one global batch and
-    returns the next scripted loss."""
-    dp_rank = 0
+    """Stands in for an engine: each call scores one global batch (mb x gas x dp windows of the
+    replica's stream) and returns the next scripted loss."""
 
-    def __init__(self, losses):
-        self.losses, self.calls = iter(losses), []
+    def __init__(self, losses, plan):
+        self.losses, self.calls, self.plan = iter(losses), [], plan
 
-    def eval_batch(self, it, dense):
-        self.calls.append((next(it)[0].shape, dense))
-        return next(self.losses)
+    def eval_losses(self, seqs, calls, dense, bar=None):
+        from ds_twocircuit.data import MicroBatchStream
+        it = MicroBatchStream(seqs, self.plan.mb, self.plan.gas, self.plan.dp, 0)
+        out = []
+        for _ in range(calls):
+            self.calls.append((next(it)[0].shape, dense))
+            out.append(next(self.losses))
+        return out
 
 
 def test_training_evaluation_reports_the_mean_its_standard_error_and_what_it_scored(tok):
     import statistics
     import types
-    from ds_twocircuit.train import _evaluate
+    from ds_twocircuit.trainer import Trainer
     docs = [data.Document(f"{i}.txt", text=f"held-out {i} " * 40) for i in range(3)]
     seqs = heldout_sequences(docs, tok, 16)
-    plan = types.SimpleNamespace(mb=2, gas=1, dp=1, args=types.SimpleNamespace(eval_sequences=9))
-    eng = _FakeEngine([2.0, 3.0, 4.0, 5.0])
-    mean, se, scored = _evaluate(eng, plan, seqs, masked=True)
+    plan = types.SimpleNamespace(mb=2, gas=1, dp=1, args=types.SimpleNamespace(eval_sequences=9), tc=None)
+    eng = _FakeEngine([2.0, 3.0, 4.0, 5.0], plan)
+    trainer = Trainer(plan, eng)
+    trainer.held_seqs = seqs
+    mean, se, scored = trainer.held_out(coded=True)
     assert (mean, scored) == (3.5, 8) and se == pytest.approx(statistics.stdev([2, 3, 4, 5]) / 2)
     assert eng.calls == [((2, 16), False)] * 4                  # dense=False: through the codec
     # never more than the held-out set: a second pass would score windows twice
     plan.args.eval_sequences = 10 ** 6
-    eng = _FakeEngine([1.0] * 1000)
-    assert _evaluate(eng, plan, seqs, masked=False)[2] == (len(seqs) // 2) * 2
+    trainer.engine = _FakeEngine([1.0] * 1000, plan)
+    assert trainer.held_out(coded=False)[2] == (len(seqs) // 2) * 2

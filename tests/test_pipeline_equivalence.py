@@ -23,44 +23,35 @@ def _config(tmp_path, name="m95", **over):
 
 
 def reference(cfg, pp, dp, steps=STEPS, seed=0, lora=None):
-    """Single process: HF model + in-graph PRF masks at the same boundaries (``lora``: the
-    ``twocircuit.lora`` dict; LoRA adapters as ``--lora-r`` puts them into the pipeline)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from ds_twocircuit.data import MicroBatchStream, PackedSequences, load_documents, split_documents
-    from ds_twocircuit.models.presets import resolve_model
-    from ds_twocircuit.reference import BoundaryMasker, reference_train, untie_head
-
-    folder = resolve_model("tiny")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    tc = cfg["twocircuit"]
-    if tc.get("tied_embeddings", "untie") == "untie":
-        untie_head(model)
+    """The same config file on the single-process reference engine (launch/train.py --engine
+    reference: the whole model, the config's codec pair at the same boundaries, the DP replicas
+    simulated); returns its training losses and final weights. ``lora``: the ``twocircuit.lora`` dict."""
+    import tempfile
+    from ds_twocircuit import train
+    cfg = json.loads(json.dumps(cfg))
     if lora:
-        from ds_twocircuit.config import LoRAConfig
-        from ds_twocircuit.lora import add_lora
-        add_lora(model, [(layer, f"model.layers.{i}.") for i, layer in enumerate(model.model.layers)],
-                 LoRAConfig(**lora), seed)
-    from ds_twocircuit.config import CodecConfig
-    masker = BoundaryMasker(model, pp, mode=tc["mode"], mask_rate=tc["mask_rate"], seed=seed,
-                            partition=tc.get("partition", "type"), rescale=tc.get("rescale", False),
-                            warmup_steps=tc.get("warmup_steps", 0), ramp_steps=tc.get("ramp_steps", 0),
-                            wire_dtype=tc.get("wire_dtype", "auto"),
-                            codec_cfg=CodecConfig(**tc["codec"]) if tc.get("codec") else None,
-                            gas=cfg["gradient_accumulation_steps"])
-    opt_cfg = cfg["optimizer"]["params"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if cfg["optimizer"]["type"] == "SGD":
-        opt = torch.optim.SGD(trainable, lr=opt_cfg["lr"])
-    else:
-        opt = torch.optim.AdamW(trainable, lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
-                                weight_decay=opt_cfg["weight_decay"])
-    tok = AutoTokenizer.from_pretrained(folder)
-    train, _ = split_documents(load_documents("sympy"))
-    seqs = PackedSequences(train, tok, SEQ, seed=seed)
-    mb, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
-    losses = reference_train(model, lambda r: MicroBatchStream(seqs, mb, gas, dp, r), steps, dp, gas, opt,
-                             masker, grad_clip=cfg.get("gradient_clipping"))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        cfg["twocircuit"]["lora"] = dict(lora)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        out = os.path.join(tmp, "run")
+        rc = train.run(["--engine", "reference", "--model", "tiny", "--deepspeed", path, "--pp", str(pp),
+                        "--dp", str(dp), "--steps", str(steps), "--seq-len", str(SEQ), "--seed", str(seed),
+                        "--output-dir", out, "--eval-sequences", "0"])
+        assert rc == 0
+        losses = [m["loss"] for m in read_metrics(out)]
+        state = _reference_state(os.path.join(out, "hf"), lora)
+    return losses, state
+
+
+def _reference_state(hf_dir, lora):
+    """The reference run's weights under the names the pipeline's hf/ folder uses (its adapters'
+    under LoRA)."""
+    if lora:
+        from safetensors.torch import load_file
+        return load_file(os.path.join(hf_dir, "adapter_model.safetensors"))
+    return read_weights(hf_dir)
 
 
 def _compare(out, ref_losses, ref_state, atol=2e-5, mean_atol=None):

@@ -37,7 +37,8 @@ def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, n
     # the weights it feeds by ~lr x 1e-4 (seen: max 1e-5, mean 4e-8 at pp 2 x dp 2); the bulk of the
     # weights must agree far more tightly than an uncoded run's (which lands >10x that mean away)
     _compare(out, ref_losses, ref_state, atol=1e-4, mean_atol=5e-7)
-    _, dense_state = reference({**cfg, "twocircuit": {**cfg["twocircuit"], "mode": "dense"}}, pp, dp)
+    uncoded = {k: v for k, v in cfg["twocircuit"].items() if k != "codec"}
+    _, dense_state = reference({**cfg, "twocircuit": {**uncoded, "mode": "dense"}}, pp, dp)
     w = read_weights(os.path.join(out, "hf"))
     n = sum(w[k].numel() for k in w)
     assert sum(float((w[k] - dense_state[k]).abs().sum()) for k in w) / n > 10 * 5e-7
@@ -56,7 +57,7 @@ def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, n
 
 def test_meanfill_pipeline_matches_reference_and_counts_bytes(tmp_path):
     path, cfg = _sgd_config(tmp_path, "meanfill", mask_rate=0.9,
-                            codec={"groups": GROUPS, "refresh_steps": [0], "refresh_every": 1})
+                            codec={"refresh_steps": [0], "refresh_every": 1})
     out = str(tmp_path / "run")
     torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
                  "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])

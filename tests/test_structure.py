@@ -221,3 +221,23 @@ def test_the_cycle_check_catches_each_form(tmp_path):
     assert got["three modules"] == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     for case in ("top-level", "in a function", "relative", "import_module"):
         assert got[case] == ["pkg.a", "pkg.b", "pkg.a"], (case, got[case])
+
+
+def test_no_training_loop_in_launch():
+    """The studies run the Trainer (launch/train.py --engine reference): no launch/ script builds or
+    steps an optimizer of its own (issue: five training loops, one of which clipped differently)."""
+    launch = ROOT.parent / "launch"
+    bad = []
+    for path in sorted(launch.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "optim" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "torch":
+                bad.append(f"{path.name}:{node.lineno}: torch.optim")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.optim"):
+                bad.append(f"{path.name}:{node.lineno}: from {node.module}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step" \
+                    and "opt" in ast.unparse(node.func.value).lower():
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node.func)}()")
+    assert len(list(launch.glob("*.py"))) > 5
+    assert bad == [], "a training loop in launch/ (run the Trainer instead):\n" + "\n".join(bad)

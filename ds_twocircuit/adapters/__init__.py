@@ -10,7 +10,7 @@ algorithm on tensors and files (``tests/test_structure.py`` enforces it).
 - ``plain_engine``: a DP backend in place of a plain ``DeepSpeedEngine``'s all-reduce.
 - ``accelerate``: the same for Accelerate / the Hugging Face Trainer.
 - ``anchor_circuit``: the anchor circuit's engine and the fast circuit's link to it.
-- ``anchor_worker``: entry point of the anchor worker process.
+- ``export``: the end-of-run model export across the ranks (each stage writes its own shard).
 - ``checkpoint``: training state around DeepSpeed's checkpoints (commit markers).
 - ``dist``: process groups for the two circuits, comm device, the launcher's store.
 """

@@ -35,7 +35,6 @@ from ..files import atomic_write_text
 from .dist import from_comm, to_comm
 from .pipeline_engine import MaskedPipelineEngine
 from ..anchor.fence import AnchorFence
-from ..anchor.spectral import SpectralCorrection
 from ..anchor.store import SnapshotStore
 
 DONE = "FAST_DONE"
@@ -88,21 +87,10 @@ def store_root(plan) -> str:
 
 def attach_correction(optimizer, module, plan):
     """Attach the configured anchor correction to the fast circuit's optimizer (through its
-    public step and state-dict hooks): SpectralCorrection (the paper's) or DelayedErrorFeedback.
-    The engine keeps ``optimizer`` itself; returns the correction (None without 2-D targets)."""
-    sc = plan.tc.anchor.spectral
-    targets = decoder_matrices(module)
-    if not targets:
-        return None
-    if plan.tc.anchor.correction == "delayed_ef":
-        from ..anchor.corrections import DelayedErrorFeedback
-        a = plan.tc.anchor
-        return DelayedErrorFeedback(optimizer, targets, every=a.every, lam=a.ef_lambda, beta=a.ef_beta,
-                                    seed=plan.args.seed)
-    return SpectralCorrection(optimizer, targets, alpha=sc.alpha, tau=sc.tau, beta=sc.beta,
-                              tau_mode=sc.tau_mode, svd=sc.svd,
-                              svd_rank=(sc.svd_rank or None), topk_diag=sc.topk_diag,
-                              ema_init=sc.ema_init, anchor_mix=sc.anchor_mix, seed=plan.args.seed)
+    public step and state-dict hooks) for this stage's 2-D decoder matrices. The engine keeps
+    ``optimizer`` itself; returns the correction (None without 2-D targets)."""
+    from ..anchor.corrections import build_correction
+    return build_correction(optimizer, decoder_matrices(module), plan.tc.anchor, plan.args.seed)
 
 
 def pick_snapshot(store: SnapshotStore, run_id, last_step: int, bad: set, reader_id: str):
@@ -315,7 +303,6 @@ class AnchorLink:
 def run_anchor(plan, world) -> int:
     """The anchor worker: Z unmasked replicas of the pipeline, same partitioning."""
     import copy
-    import dataclasses
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.utils import clip_grad_norm_
     from transformers import AutoTokenizer
@@ -341,7 +328,7 @@ def run_anchor(plan, world) -> int:
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     zgroup = engine.grid.get_data_parallel_group()
     backend = get_backend("allreduce")(named, dp_comm(zgroup, plan.z), {"backend": "allreduce"})
-    atc = dataclasses.replace(tc, mode="dense")  # the anchor's boundaries are uncoded
+    atc = tc.uncoded()  # the anchor's boundaries are dense
     engine.pipeline_enable_backward_allreduce = False
     engine.setup_twocircuit(atc, 0, backend)
     targets = decoder_matrices(engine.module)

@@ -31,6 +31,40 @@ class World:
     backend: str
     store_prefix: str = ""   # this circuit's keys on the launcher's store (faults.PeerCensus)
 
+    # the collectives the Trainer needs (its single-process world, trainer.LocalWorld, has the same)
+    def sum(self, values: dict) -> dict:
+        return sum_over_ranks(values, self)
+
+    def max(self, x: float) -> float:
+        return max_over_ranks(x, self)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def sum_over_ranks(values: dict, world) -> dict:
+    """Every rank's ``values`` (floats) summed over the circuit's world, in one float64 collective
+    on the comm device."""
+    import torch
+    import torch.distributed as dist
+    keys = sorted(values)
+    vec = to_comm(torch.tensor([values[k] for k in keys], dtype=torch.float64))
+    if world.size > 1:
+        dist.all_reduce(vec)
+    return dict(zip(keys, from_comm(vec).tolist()))
+
+
+def max_over_ranks(x: float, world) -> float:
+    """The largest ``x`` over the circuit's ranks (one float64 all-reduce): every rank then takes
+    the same decision."""
+    import torch
+    import torch.distributed as dist
+    t = to_comm(torch.tensor([x], dtype=torch.float64))
+    if world.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(from_comm(t)[0])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -163,7 +197,7 @@ def group_agrees(value: str, group, size: int) -> bool:
 def supervise(argv) -> int:
     """Run the anchor worker as a child process; never fail the launch because of it."""
     env = dict(os.environ, **{CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "ds_twocircuit.adapters.anchor_worker", *argv]
+    cmd = [sys.executable, "-m", "ds_twocircuit.train", *argv]
     child = subprocess.Popen(cmd, env=env)
     pidfile = os.environ.get("DS_TWOCIRCUIT_ANCHOR_PIDFILE")
 

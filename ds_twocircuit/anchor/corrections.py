@@ -111,3 +111,18 @@ class DelayedErrorFeedback(SpectralCorrection):
         if ef is not None:
             self._kept = {int(k): dict(v) for k, v in ef["kept"].items()}
             self._corr = dict(ef["corr"])
+
+
+def build_correction(optimizer: torch.optim.Optimizer, targets: Mapping[str, torch.nn.Parameter], anchor, seed: int):
+    """The correction ``anchor`` (a ``twocircuit.anchor`` section) configures, attached to
+    ``optimizer`` through its public hooks: the paper's :class:`SpectralCorrection` or
+    :class:`DelayedErrorFeedback`. Returns None when there is no 2-D target to correct."""
+    if not targets:
+        return None
+    if anchor.correction == "delayed_ef":
+        return DelayedErrorFeedback(optimizer, targets, every=anchor.every, lam=anchor.ef_lambda,
+                                    beta=anchor.ef_beta, seed=seed)
+    sc = anchor.spectral
+    return SpectralCorrection(optimizer, targets, alpha=sc.alpha, tau=sc.tau, beta=sc.beta, tau_mode=sc.tau_mode,
+                              svd=sc.svd, svd_rank=(sc.svd_rank or None), topk_diag=sc.topk_diag,
+                              ema_init=sc.ema_init, anchor_mix=sc.anchor_mix, seed=seed)

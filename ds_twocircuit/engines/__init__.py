@@ -1,0 +1,37 @@
+"""The engines the :class:`~ds_twocircuit.trainer.Trainer` drives.
+
+* :class:`~ds_twocircuit.adapters.engine.PipelineEngine` -- DeepSpeed's pipeline engine with coded
+  boundaries and a pluggable DP backend, one process per stage and replica (``launch/train.py``).
+* :class:`~ds_twocircuit.engines.reference.ReferenceEngine` -- one process: the whole Hugging Face
+  model, the same codec objects at the same boundaries, DP replicas simulated in-process (a model,
+  optimizer and DP backend per replica over an in-process communicator), the anchor in-process
+  (the quality studies; the equivalence tests compare the two on the same config file).
+
+What the trainer asks of an engine (both implement exactly this)::
+
+    kind                      "pipeline" | "reference"
+    codec                     the Codec of this process's links (describe, keep, identity)
+    global_steps, mask_seed, timing (dict of seconds: dp_s, ...), step_stats (the last step's DP stats)
+    start_broadcast_bytes     bytes this process received in a start-up weight broadcast
+    set_train_data(seqs, start_step)
+    train_batch() -> float    one optimizer step; the mean training loss over replicas and micro-batches
+    eval_losses(seqs, calls, dense, bar) -> list[float]   held-out loss of each global batch
+    keep_fraction(step, hidden), lr()
+    anchor_link(world)        the anchor circuit's link (publish, poll, step_stats, finish) or None
+    save_checkpoint(dir, fault) / load_checkpoint(path) -> step
+    finalize() -> bool        end of training: finish DP syncs, average drifted replicas once
+    replicas_identical() -> bool | None
+    parameter_counts() -> (trainable, total)   this process's share (summed over the world)
+    export_hf(folder, world) -> folder | None   the adapted model as a Hugging Face folder
+"""
+
+
+def build_optimizer(plan, params):
+    """The config's optimizer (``plan.optimizer``: a ``torch.optim`` class name and its arguments)
+    over ``params``; both engines build it here."""
+    import torch
+    name, kw = plan.optimizer
+    cls = getattr(torch.optim, name)
+    if name in ("Adam", "AdamW") and torch.cuda.is_available():
+        kw = {**kw, "fused": True}
+    return cls(params, **kw)

@@ -1,0 +1,143 @@
+"""The single-process reference engine under the Trainer (launch/train.py --engine reference) on the
+tiny preset: the clean control, the in-process anchor's clipping, bit-exact resume, simulated DP
+replicas, and the byte meter. Seconds each, one process."""
+import json
+import os
+
+import pytest
+import torch
+
+from launch_helpers import CONFIGS, read_metrics, read_summary, read_weights
+
+LOWRANK = {"groups": [[8, 4]], "refresh_steps": [0], "refresh_every": 0}
+SEQ, MB, GAS = 32, 2, 2
+
+
+def _config(tmp_path, name="lowrank", **tc):
+    cfg = json.load(open(os.path.join(CONFIGS, f"{name}.json")))
+    codec = tc.pop("codec", None)
+    cfg["twocircuit"].update(tc)
+    if codec is not None:
+        cfg["twocircuit"]["codec"] = codec
+    elif cfg["twocircuit"].get("mode") == "lowrank":
+        cfg["twocircuit"]["codec"] = LOWRANK
+    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = MB, GAS
+    path = tmp_path / f"{name}_{abs(hash(json.dumps(tc, sort_keys=True)))}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _run(tmp_path, config, name, steps=4, extra=()):
+    from ds_twocircuit import train, wire
+    out = str(tmp_path / name)
+    argv = ["--engine", "reference", "--model", "tiny", "--data", "deepspeed-cpp", "--deepspeed", config,
+            "--steps", str(steps), "--seq-len", str(SEQ), "--eval-sequences", "4", "--output-dir", out, *extra]
+    wire.reset()
+    assert train.run(argv) == 0
+    return read_summary(out), [m["loss"] for m in read_metrics(out)], out
+
+
+def _hidden():
+    from transformers import AutoConfig
+    from ds_twocircuit.models.presets import resolve_model
+    return AutoConfig.from_pretrained(resolve_model("tiny")).hidden_size
+
+
+def test_clean_steps_train_through_a_dense_boundary_and_count_dense_bytes(tmp_path):
+    dense, dense_loss, _ = _run(tmp_path, _config(tmp_path, "dense"), "dense")
+    every, every_loss, _ = _run(tmp_path, _config(tmp_path, clean_every=1), "every")
+    # every step clean: exactly dense training (the coded eval fits state on its own batch, uncounted)
+    assert every_loss == dense_loss and every["heldout_loss"] == dense["heldout_loss"]
+    assert every["wire_bytes"]["pp_codec_state"] == 0
+    assert every["wire_bytes"]["pp_activations"] == dense["wire_bytes"]["pp_activations"] > 0
+    coded, coded_loss, _ = _run(tmp_path, _config(tmp_path), "coded")
+    half, half_loss, _ = _run(tmp_path, _config(tmp_path, clean_every=2), "half")
+    assert half_loss[0] == coded_loss[0] != dense_loss[0]    # step 0 coded, step 1 clean
+    assert half_loss[1] != coded_loss[1]
+    H, tokens_per_step = _hidden(), MB * GAS * SEQ
+    payload = 8 * 4 // 8 + 2                                  # 8 coefficients at 4 bits + one bf16 scale
+    assert coded["codec"]["bytes_per_token"] == payload
+    for kind in ("pp_activations", "pp_gradients"):
+        assert coded["wire_bytes"][kind] == 4 * tokens_per_step * payload
+        assert half["wire_bytes"][kind] == 2 * tokens_per_step * payload + 2 * tokens_per_step * H * 4
+    # state: mean (H) and basis (H x 8) in bf16, shipped once at step 0
+    assert coded["wire_bytes"]["pp_codec_state"] == half["wire_bytes"]["pp_codec_state"] == 2 * (H + H * 8)
+
+
+def test_delayed_ef_pairs_a_dense_gradient_clipped_like_the_fast_step(tmp_path, monkeypatch):
+    """The in-process anchor clips its dense gradient by the config's gradient_clipping before it is
+    paired with the kept (clipped) coded gradient, as the anchor circuit does; spectral gets it raw."""
+    from ds_twocircuit.anchor.corrections import DelayedErrorFeedback
+    from ds_twocircuit.anchor.spectral import SpectralCorrection
+    norms = []
+    orig = SpectralCorrection.submit_anchor_gradients
+    orig_def = DelayedErrorFeedback.submit_anchor_gradients
+
+    def spy(orig_fn):
+        def f(self, grads, source_step):
+            norms.append(float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))))
+            return orig_fn(self, grads, source_step)
+        return f
+    monkeypatch.setattr(SpectralCorrection, "submit_anchor_gradients", spy(orig))
+    monkeypatch.setattr(DelayedErrorFeedback, "submit_anchor_gradients", spy(orig_def))
+    anchor = {"enabled": True, "every": 1, "correction": "delayed_ef", "ef_lambda": 1.0, "ef_beta": 0.5}
+    cfg = json.loads(open(_config(tmp_path, anchor=anchor)).read())
+    cfg["gradient_clipping"] = 0.05
+    path = tmp_path / "def.json"
+    path.write_text(json.dumps(cfg))
+    s, _, _ = _run(tmp_path, str(path), "def", steps=3)
+    assert len(norms) == 2 and max(norms) <= 0.05 * (1 + 1e-4)    # delivered at steps 1 and 2
+    assert s["anchor"]["updates"] == 2 and s["anchor"]["mean_staleness"] == 1.0
+    # the anchor gradients are counted as anchor traffic (the fast side receives them)
+    assert s["wire_bytes"]["anchor"] > 0
+    norms.clear()
+    cfg["twocircuit"]["anchor"] = {**anchor, "correction": "spectral"}
+    path.write_text(json.dumps(cfg))
+    _run(tmp_path, str(path), "spectral", steps=3)
+    assert len(norms) == 2 and min(norms) > 0.05                    # unclipped: far above it
+
+
+@pytest.mark.parametrize("backend", ["allreduce", "streaming_diloco"])
+def test_resume_is_bit_exact(tmp_path, backend):
+    dp = {"backend": "allreduce"} if backend == "allreduce" else {
+        "backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2, "compression": "powersgd",
+        "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}}
+    cfg = _config(tmp_path, dp=dp)
+    extra = ["--dp", "2"]
+    full, full_loss, full_out = _run(tmp_path, cfg, "full", steps=4, extra=extra)
+    _run(tmp_path, cfg, "part", steps=2, extra=[*extra, "--save-checkpoint"])
+    part, part_loss, part_out = _run(tmp_path, cfg, "part", steps=4, extra=[*extra, "--resume", "auto"])
+    assert part["first_step"] == 2 and part_loss == full_loss
+    assert part["heldout_loss"] == full["heldout_loss"]
+    wa, wb = read_weights(os.path.join(full_out, "hf")), read_weights(os.path.join(part_out, "hf"))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert full["dp_replicas_identical"] is True
+
+
+def test_simulated_replicas_allreduce_equals_one_replica_on_the_same_global_batch(tmp_path):
+    """Two simulated replicas with all-reduce (each half the global batch) train the weights one
+    replica trains on the whole batch (gas doubled), up to the float order of the mean; and the
+    DP bytes are those of a ring all-reduce of every trainable gradient at every step."""
+    two, two_loss, two_out = _run(tmp_path, _config(tmp_path, "dense"), "dp2", steps=3, extra=["--dp", "2"])
+    one, one_loss, one_out = _run(tmp_path, _config(tmp_path, "dense"), "dp1", steps=3,
+                                  extra=["--grad-accum", str(2 * GAS)])
+    assert two_loss == pytest.approx(one_loss, rel=1e-5)
+    wa, wb = read_weights(os.path.join(two_out, "hf")), read_weights(os.path.join(one_out, "hf"))
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    grads = two["parameters"]["trainable"] * 4
+    assert two["wire_bytes"]["dp"] == 3 * 2 * (2 * (2 - 1) * grads // 2)   # 3 steps, 2 replicas
+    assert one["wire_bytes"]["dp"] == 0 and two["dp_replicas_identical"] is True
+
+
+def test_reference_summary_is_the_pipelines(tmp_path):
+    """The same summary.json keys as the pipeline engine's, plus the engine and the held-out curve."""
+    s, _, out = _run(tmp_path, _config(tmp_path), "s", steps=4, extra=["--eval-every", "2"])
+    assert s["engine"] == "reference" and s["mesh"] == {"dp": 1, "pp": 2, "anchor_replicas": 0, "parts": s["mesh"]["parts"]}
+    assert [p["step"] for p in s["heldout_curve"]] == [0, 2, 4]
+    assert s["heldout_curve"][-1]["loss"] == s["heldout_loss"] and "loss_coded" in s["heldout_curve"][0]
+    for key in ("heldout_loss_first", "heldout_loss_masked", "heldout_loss_se", "wire_bytes", "bytes_per_token",
+                "data", "codec", "dp_backend", "tokens_per_s"):
+        assert key in s, key
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
+    assert m.config.tie_word_embeddings is False
