@@ -119,6 +119,8 @@ class TwoCircuitConfig:
     tied_embeddings: str = "untie"  # untie | sync | freeze  (see README)
     clean_every: int = 0            # K > 0: every K-th step trains through dense boundaries (the
                                     # "clean" control; its bytes counted), 0: never
+    plugins: list = field(default_factory=list)  # modules imported before anything is validated:
+                                    # where a third-party codec or DP backend registers itself
     dp: BackendConfig = field(default_factory=config_from_dict)  # the backend's own config class
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     codec: Any = None               # the codec's own twocircuit.codec section (its config_cls), or None
@@ -155,6 +157,7 @@ class TwoCircuitConfig:
     def from_dict(cls, d: dict | None, prefix: str = "twocircuit") -> "TwoCircuitConfig":
         check_keys({} if d is None else d, {f.name for f in dataclasses.fields(cls)}, prefix)
         d = dict(d or {})
+        import_plugins(d.get("plugins", []), f"{prefix}.plugins")
         anchor, codec, dp = d.pop("anchor", None), d.pop("codec", None), d.pop("dp", None)
         lora = d.pop("lora", None)
         anchor = dict(anchor) if isinstance(anchor, dict) else anchor
@@ -177,6 +180,21 @@ class TwoCircuitConfig:
         d["dp"] = self.dp.to_dict()
         d["codec"] = config_dict(self.codec)
         return d
+
+
+def import_plugins(modules, key: str = "twocircuit.plugins") -> None:
+    """Import each module of ``twocircuit.plugins`` (a list of importable module names): a third-party
+    codec (``@register_codec``) or DP backend (``@register_backend``) registers itself on import, on
+    every rank, before the config naming it is validated."""
+    import importlib
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(f"{key} must be a list of module names (e.g. [\"my_package.my_codec\"]), got {modules!r}")
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise ConfigError(f"{key}: cannot import {m!r} ({e}); it must be importable on every node "
+                              "(installed, or on PYTHONPATH)") from None
 
 
 SHARE_DIR = os.path.join("share", "ds-twocircuit", "ds_configs")  # where a wheel installs ds_configs/
