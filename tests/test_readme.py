@@ -4,6 +4,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +93,124 @@ def test_multinode_lines_are_what_the_mesh_test_runs():
             assert flags <= set(shlex.split(line.split("#")[0])), (launcher, flags, line)
     for f in ("--local-addr", "--rdzv-conf is_host=1", "Num nodes is >1 but no extra nodes available via hostfile"):
         assert f in section
+
+
+# --- what the README tells users to type exists --------------------------------------------------
+# The README is checked for its commands, flags and links, not for its prose.
+
+def _readme():
+    return open(README).read()
+
+
+def _section(text, heading):
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def _command_snippets(text):
+    """Every line of a fenced block and every inline code span: where the README writes commands."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)\n```", text, flags=re.S)
+    outside = re.sub(r"```[^\n]*\n.*?\n```", "", text, flags=re.S)
+    lines = [line for b in blocks for line in b.splitlines()]
+    return lines + [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", outside)]
+
+
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
+# what each command's own --help is asked with
+HELP = {"eval": [sys.executable, "-m", "eval", "--help"],
+        "ds_twocircuit.export": [sys.executable, "-m", "ds_twocircuit.export", "merge", "--help"],
+        "launch/mesh.py": [sys.executable, "launch/mesh.py", "--help", "--", "launch/train.py"]}
+# flags a script reads before argparse, so its --help does not list them
+NOT_IN_HELP = {"launch/train.py": {"--deepspeed"},        # DeepSpeed's own spelling of --deepspeed_config
+               "launch/mesh.py": {"--remove-stale"}}      # a mode of its own: `mesh.py --remove-stale`
+
+
+def _flags_by_command(text):
+    """{command: flags the README passes it}: in a command line, the flags after ``launch/X.py`` (or
+    ``python -m eval`` / ``ds_twocircuit.export``) up to the next script are that script's (the
+    launcher's own come before it); in the sections about launch/train.py's options, an inline
+    span that starts with a flag is one of launch/train.py's."""
+    found = {}
+    for snippet in _command_snippets(text):
+        try:
+            tokens = shlex.split(snippet.split(" #")[0])
+        except ValueError:
+            continue
+        script = None
+        for i, tok in enumerate(tokens):
+            if re.fullmatch(r"(launch|examples)/\w+\.py", tok):
+                script = tok
+                found.setdefault(script, set())
+            elif tok in ("eval", "ds_twocircuit.export") and i and tokens[i - 1] == "-m":
+                script = tok
+                found.setdefault(script, set())
+            elif script and FLAG.fullmatch(tok.split("=")[0]):
+                found[script].add(tok.split("=")[0])
+    for heading in ("## What the default run does", "## Configs and flags", "## Faults and resume"):
+        for span in re.findall(r"`(--[^`\n]+)`", _section(text, heading)):
+            found.setdefault("launch/train.py", set()).update(FLAG.findall(span))
+    return found
+
+
+def test_every_script_the_readme_names_exists():
+    text = _readme()
+    # scripts, configs and tests (docs/ are links, checked below; docs/benchmarks/*.json may be outputs)
+    paths = set(re.findall(r"(?<![\w/.])((?:launch|examples|ds_configs|tests|eval)/[\w./-]+\.(?:py|json|yaml|md))",
+                           text))
+    assert {"launch/train.py", "launch/mesh.py", "launch/bench_quality.py"} <= paths
+    missing = sorted(p for p in paths if not os.path.isfile(os.path.join(ROOT, p)))
+    assert not missing, missing
+    # every adapters/<file>.py the layout names is a module (test_structure checks the converse)
+    for name in re.findall(r"adapters/(\w+\.py)", text):
+        assert os.path.isfile(os.path.join(ROOT, "ds_twocircuit", "adapters", name)), name
+
+
+def test_every_flag_the_readme_passes_a_script_is_in_its_help():
+    found = _flags_by_command(_readme())
+    # the new launch/train.py options are documented, and so are the study scripts' main ones
+    assert {"--set", "--eval-every", "--engine", "--pace-mbit", "--resume", "--deepspeed"} <= found["launch/train.py"]
+    assert {"--configs", "--seeds", "--set", "--report"} <= found["launch/bench_quality.py"]
+    assert {"--configs"} <= found["launch/screen_quality.py"]
+    assert {"--checkpoint", "--tasks", "--compare", "--pruning", "--masked"} <= found["eval"]
+    for script, flags in sorted(found.items()):
+        if script.startswith("examples/"):
+            continue        # run under accelerate launch, with their own settings
+        cmd = HELP.get(script, [sys.executable, script, "--help"])
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (script, p.stderr[-2000:])
+        listed = set(FLAG.findall(p.stdout)) | NOT_IN_HELP.get(script, set())
+        unknown = sorted(flags - listed)
+        assert not unknown, f"README passes {script} {unknown}, which its --help does not list"
+
+
+def _slug(heading):
+    """GitHub's anchor of a Markdown heading."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+def _anchors(path):
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/notes.md", "docs/benchmarks/README.md"])
+def test_every_relative_link_resolves(doc):
+    """Links to files exist (the results table's docs/benchmarks/ notes included), and a link to a
+    section names a heading of the file it points to."""
+    path = os.path.join(ROOT, doc)
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    bad = []
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        file = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+        if not os.path.exists(file):
+            bad.append(f"{link}: no such file")
+        elif anchor and file.endswith(".md") and anchor not in _anchors(file):
+            bad.append(f"{link}: no such heading")
+    assert not bad, bad
+    if doc == "README.md":
+        assert sum(l.startswith("docs/benchmarks/") for l in links) >= 8   # the results table
