@@ -302,35 +302,15 @@ class AnchorLink:
 
 def run_anchor(plan, world) -> int:
     """The anchor worker: Z unmasked replicas of the pipeline, same partitioning."""
-    import copy
-    from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.utils import clip_grad_norm_
     from transformers import AutoTokenizer
 
     from ..data import MicroBatchStream, PackedSequences
-    from ..dp.registry import get_backend
-    from .comm import dp_comm
-    from .pipe_module import build_pipeline
+    from .engine import PipelineEngine
 
     args, tc = plan.args, plan.tc
     z_rank_world = world.rank
-    module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings, lora=tc.lora,
-                            seed=args.seed)  # the same adapters (and names) as the fast circuit
-    params = [p for p in module.parameters() if p.requires_grad]
-    dummy = torch.optim.SGD(params, lr=0.0)
-    ds = copy.deepcopy(plan.ds_config)
-    ds["train_batch_size"] = plan.mb * plan.gas * plan.z
-    ds.pop("scheduler", None)
-    ds["steps_per_print"] = None  # the engine's step counter never moves here
-    mpu = module.mpu()
-    engine = AnchorPipelineEngine(args=None, model=module, optimizer=dummy, model_parameters=params, mpu=mpu,
-                                  config=ds, config_class=DeepSpeedConfig(copy.deepcopy(ds), mpu))
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    zgroup = engine.grid.get_data_parallel_group()
-    backend = get_backend("allreduce")(named, dp_comm(zgroup, plan.z), {"backend": "allreduce"})
-    atc = tc.uncoded()  # the anchor's boundaries are dense
-    engine.pipeline_enable_backward_allreduce = False
-    engine.setup_twocircuit(atc, 0, backend)
+    engine = PipelineEngine(plan, role="anchor").ds   # built as the fast circuit's, dense and never stepped
     targets = decoder_matrices(engine.module)
     names = sorted(targets)
     # delayed_ef pairs this gradient with the fast step's own, which DeepSpeed clipped before the

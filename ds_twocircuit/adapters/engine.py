@@ -14,35 +14,53 @@ from ..engines import build_optimizer
 class PipelineEngine:
     kind = "pipeline"
 
-    def __init__(self, plan):
-        """The local pipeline stage, its optimizer (with the anchor correction attached when the
-        anchor is on), the MaskedPipelineEngine and its DP backend."""
+    def __init__(self, plan, role: str = "fast"):
+        """This rank's pipeline stage, its optimizer, the MaskedPipelineEngine and its DP backend.
+
+        ``role = "fast"``: the fast circuit (the config's optimizer, with the anchor correction
+        attached when the anchor is on; the config's codec and DP backend). ``role = "anchor"``: a
+        replica of the anchor circuit, built by the same code from the same plan (same stages,
+        partition and LoRA adapters): dense boundaries, an engine that never steps its optimizer,
+        and its gradients averaged over the Z anchor replicas."""
         import torch
         from deepspeed.runtime.config import DeepSpeedConfig
-        from ..dp.registry import get_backend
+        from ..dp.registry import config_from_dict, get_backend
         from .comm import dp_comm
         from .pipe_module import build_pipeline
         from .pipeline_engine import MaskedPipelineEngine
 
-        self.plan = plan
+        if role not in ("fast", "anchor"):
+            raise ValueError(f"role must be 'fast' or 'anchor', got {role!r}")
+        self.plan, self.role = plan, role
         tc = plan.tc
         torch.manual_seed(plan.args.seed)
         module = build_pipeline(plan.spec, plan.pp, tc.partition, tc.tied_embeddings, lora=tc.lora,
-                                seed=plan.args.seed)
+                                seed=plan.args.seed)   # the same adapters (and names) in both circuits
         trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizer = build_optimizer(plan, trainable)
-        if tc.anchor.enabled:
-            from .anchor_circuit import attach_correction
-            attach_correction(optimizer, module, plan)  # hooks on the optimizer the engine steps
+        ds_cfg = copy.deepcopy(plan.ds_config)
+        if role == "fast":
+            optimizer = build_optimizer(plan, trainable)
+            if tc.anchor.enabled:
+                from .anchor_circuit import attach_correction
+                attach_correction(optimizer, module, plan)  # hooks on the optimizer the engine steps
+            engine_cls, replicas, tc_run, dp_cfg = MaskedPipelineEngine, plan.dp, tc, tc.dp
+            mask_seed = tc.mask_seed if tc.mask_seed is not None else plan.args.seed
+        else:
+            from .anchor_circuit import AnchorPipelineEngine
+            optimizer = torch.optim.SGD(trainable, lr=0.0)     # never stepped
+            ds_cfg["train_batch_size"] = plan.mb * plan.gas * plan.z
+            ds_cfg.pop("scheduler", None)
+            ds_cfg["steps_per_print"] = None                    # the engine's step counter never moves
+            engine_cls, replicas, tc_run = AnchorPipelineEngine, plan.z, tc.uncoded()
+            dp_cfg, mask_seed = config_from_dict({"backend": "allreduce"}), 0
         mpu = module.mpu()
-        ds = MaskedPipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=trainable,
-                                  mpu=mpu, config=copy.deepcopy(plan.ds_config),
-                                  config_class=DeepSpeedConfig(copy.deepcopy(plan.ds_config), mpu))
+        ds = engine_cls(args=None, model=module, optimizer=optimizer, model_parameters=trainable, mpu=mpu,
+                        config=ds_cfg, config_class=DeepSpeedConfig(copy.deepcopy(ds_cfg), mpu))
         named = [(n, p) for n, p in ds.module.named_parameters() if p.requires_grad]
-        self.dp_backend = get_backend(tc.dp.backend)(named, dp_comm(ds.grid.get_data_parallel_group(), plan.dp),
-                                                     tc.dp)
+        self.dp_backend = get_backend(dp_cfg.backend)(named, dp_comm(ds.grid.get_data_parallel_group(), replicas),
+                                                      dp_cfg)
         ds.pipeline_enable_backward_allreduce = False  # the backend does the DP sync
-        ds.setup_twocircuit(tc, tc.mask_seed if tc.mask_seed is not None else plan.args.seed, self.dp_backend)
+        ds.setup_twocircuit(tc_run, mask_seed, self.dp_backend)
         self.ds = ds
         self.dp_rank = ds.dp_rank
         self._stream = None
