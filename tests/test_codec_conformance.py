@@ -29,6 +29,13 @@ SETTINGS = {
 }
 
 
+# what each declares for the tiny model's 64 channels in fp32 (activation, gradient bytes per token):
+# a kept value is 4 bytes; Top-K adds an int16 index per value forward; low-rank 8 x 8 + 16 x 4 bits
+# plus a bf16 scale per group; int8 one byte a channel plus a bf16 scale
+EXPECTED = {"dense": (256, 256), "random": (24, 24), "topk": (36, 24), "meanfill": (24, 24), "lowrank": (20, 20),
+            "int8": (66, 66)}
+
+
 def _registered():
     import importlib
     import sys
@@ -80,6 +87,7 @@ def test_declared_payload_is_what_is_packed(mode):
     state = send.state_tensor_count(msg)
     wire = send.pack_activation(x, msg)
     act, grad = send.payload_bytes(H, 4, step=5)
+    assert (act, grad) == EXPECTED[mode]
     assert sum(t.numel() * t.element_size() for t in wire[state:]) == T * act
     y = recv.unpack_activation([t.clone() for t in wire], msg, x.dtype)
     assert y.shape == x.shape and torch.isfinite(y).all()

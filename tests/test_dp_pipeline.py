@@ -96,8 +96,8 @@ def test_streaming_diloco_staggers_fragments(runs):
     assert s["wire_bytes"]["dp"] < read_summary(runs["allreduce"])["wire_bytes"]["dp"] / 5
 
 
-@pytest.mark.parametrize("name", ["allreduce", "streaming_diloco"])
-def test_resume_continues_exactly(tmp_path, runs, name):
+@pytest.mark.parametrize("name", ["streaming_diloco"])   # the most state; every backend on 2 simulated
+def test_resume_continues_exactly(tmp_path, runs, name):   # replicas: test_reference_engine
     first = _train(tmp_path, f"{name}_a", BACKENDS[name], 3, ["--save-checkpoint", "--no-save-model"])
     resumed = str(tmp_path / f"{name}_b")
     ckpt = os.path.join(first, "checkpoint")

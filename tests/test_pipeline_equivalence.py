@@ -74,7 +74,7 @@ def _compare(out, ref_losses, ref_state, atol=2e-5, mean_atol=None):
 SGD_LR = 0.05
 
 
-@pytest.mark.parametrize("pp,dp", [(2, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("pp,dp", [(2, 2), (4, 1)])   # pp 2 x dp 1: test_codec_conformance
 def test_masked_pipeline_matches_single_process_reference(tmp_path, pp, dp):
     """SGD: the update is lr x gradient, so the two computations' different float reduction orders
     (which differ between CPUs) move a weight by ~lr x 1e-7 relative: a tight tolerance that holds
@@ -137,22 +137,6 @@ def test_masked_pipeline_adamw_matches_reference(tmp_path):
     w = read_weights(os.path.join(out, "hf"))
     n = sum(w[k].numel() for k in w)
     assert sum(float((w[k] - dense_state[k]).abs().sum()) for k in w) / n > 1e-5
-
-
-def test_topk_pipeline_matches_reference(tmp_path):
-    path, cfg = _config(tmp_path, "topk90")
-    out = str(tmp_path / "run")
-    torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
-                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
-    ref_losses, ref_state = reference(cfg, 2, 1)
-    # Top-K picks channels from the values: a last-bit difference between the two computations
-    # can swap a near-tied channel, and one swapped channel moves AdamW's update by ~lr.
-    _compare(out, ref_losses, ref_state, atol=5e-4)
-    s = read_summary(out)
-    K = round(0.1 * 64)
-    values = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
-    assert s["wire_bytes"]["pp_activations"] == values * K * (4 + 2)   # fp32 values + int16 indices
-    assert s["wire_bytes"]["pp_gradients"] == values * K * 4           # values only
 
 
 def test_p0_equals_stock_deepspeed(tmp_path):

@@ -23,7 +23,8 @@ def _sgd_config(tmp_path, mode, **tc):
     return path, cfg
 
 
-@pytest.mark.parametrize("pp,dp,norm", [(2, 1, "none"), (2, 2, "none"), (3, 1, "none"), (2, 1, "sqrt_std")])
+# pp 2 x dp 1 (with sqrt_std) and meanfill: tests/test_codec_conformance.py, over every codec
+@pytest.mark.parametrize("pp,dp,norm", [(2, 2, "none"), (3, 1, "none")])
 def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, norm):
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0,
                             codec={"groups": GROUPS, "refresh_steps": [0, 2], "refresh_every": 0,
@@ -53,21 +54,6 @@ def test_lowrank_pipeline_matches_reference_and_counts_bytes(tmp_path, pp, dp, n
     # per link each
     assert wb["pp_codec_state"] == links * 2 * 2 * (H + H * r + (r if norm == "sqrt_std" else 0))
     assert s["mask_rate"] == 0.0 and s["config"]["twocircuit"]["codec"]["groups"] == GROUPS
-
-
-def test_meanfill_pipeline_matches_reference_and_counts_bytes(tmp_path):
-    path, cfg = _sgd_config(tmp_path, "meanfill", mask_rate=0.9,
-                            codec={"refresh_steps": [0], "refresh_every": 1})
-    out = str(tmp_path / "run")
-    torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
-                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
-    ref_losses, ref_state = reference(cfg, 2, 1)
-    _compare(out, ref_losses, ref_state, atol=2e-6)
-    wb = read_summary(out)["wire_bytes"]
-    tokens = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
-    keep = round(0.1 * 64)
-    assert wb["pp_activations"] == wb["pp_gradients"] == tokens * keep * 4
-    assert wb["pp_codec_state"] == STEPS * 64 * 4      # a fresh mean every step (refresh_every 1)
 
 
 def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
