@@ -398,7 +398,8 @@ class Trainer:
             "kept_channels": engine.codec.keep(max(engine.global_steps - 1, 0), plan.spec.hidden),
             "hidden_size": plan.spec.hidden,
             "wire_bytes": wire_bytes,
-            "bytes_per_token": round(sum(wire_bytes.values()) / tokens, 3),
+            # training traffic only: the export is a one-off at the end, shown under wire_bytes.export
+            "bytes_per_token": round(sum(wire_bytes[k] for k in wire.TRAINING_KINDS) / tokens, 3),
             "eval_wire_bytes": totals["pp_eval"],
             "timing_s_all_ranks": {k: round(v, 3) for k, v in timing.items()},
             "heldout_curve": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in p.items()}

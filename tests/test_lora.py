@@ -91,6 +91,9 @@ def test_masked_pipeline_with_lora_matches_single_process_reference(tmp_path):
     stage1 = {k: v for k, v in adapters.items() if parts[1] <= int(k.split(".")[4]) + 1 < parts[2]}
     assert 0 < len(stage1) < len(adapters)
     assert s["wire_bytes"]["export"] == 8 + len(save(stage1))
+    # bytes_per_token is training traffic: the one-off export is not in it
+    training = sum(v for k, v in s["wire_bytes"].items() if k != "export")
+    assert s["bytes_per_token"] == round(training / s["tokens"], 3)
 
 
 @pytest.mark.multiproc
