@@ -252,12 +252,34 @@ class Trainer:
         if not self.engine.codec.identity:
             point["loss_coded"], point["se_coded"], _ = self.held_out(coded=True)
         self.curve.append(point)
+        if self.is_rank0:   # heldout.jsonl: the curve survives a resume (summary.json heldout_curve)
+            with open(os.path.join(self.plan.output_dir, "heldout.jsonl"), "a") as f:
+                f.write(json.dumps(point) + "\n")
         if key is not None:
             self.evals[key], self.evals[key + "_se"] = point["loss"], point["se"]
             if "loss_coded" in point:
                 masked = key.replace("heldout_loss", "heldout_loss_masked")
                 self.evals[masked], self.evals[masked + "_se"] = point["loss_coded"], point["se_coded"]
         return point
+
+    def _restore_curve(self, start_step: int) -> None:
+        """The held-out points a resumed run already has (before ``start_step``, from
+        ``heldout.jsonl``); a fresh run starts the file anew."""
+        path = os.path.join(self.plan.output_dir, "heldout.jsonl")
+        kept = []
+        if start_step > 0 and os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        point = json.loads(line)
+                    except ValueError:
+                        break                        # a line cut short by a crash
+                    if point.get("step", start_step) < start_step:
+                        kept.append(point)
+        self.curve = kept
+        if self.is_rank0:
+            with open(path, "w") as f:
+                f.writelines(json.dumps(p) + "\n" for p in kept)
 
     # -------------------------------------------------------------- run
     def run(self) -> dict | None:
@@ -279,6 +301,7 @@ class Trainer:
                 raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for "
                                   f"--steps {args.steps}")
         engine.set_train_data(self.train_seqs, start_step)
+        self._restore_curve(start_step)
         link = engine.anchor_link(self.world) if self.tc.anchor.enabled else None
         if self.evaluating:
             self.evaluate(start_step, "heldout_loss_first")

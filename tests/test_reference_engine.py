@@ -109,6 +109,9 @@ def test_resume_is_bit_exact(tmp_path, backend):
     part, part_loss, part_out = _run(tmp_path, cfg, "part", steps=4, extra=[*extra, "--resume", "auto"])
     assert part["first_step"] == 2 and part_loss == full_loss
     assert part["heldout_loss"] == full["heldout_loss"]
+    # the held-out curve of the whole run survives the resume (step 2 scored again, the same value)
+    assert [p["step"] for p in part["heldout_curve"]] == [0, 2, 4]
+    assert part["heldout_curve"][0] == full["heldout_curve"][0] and part["heldout_curve"][-1] == full["heldout_curve"][-1]
     wa, wb = read_weights(os.path.join(full_out, "hf")), read_weights(os.path.join(part_out, "hf"))
     assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert full["dp_replicas_identical"] is True
