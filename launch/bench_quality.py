@@ -67,7 +67,8 @@ def label_of(config: str, overrides: list[str], label: str | None) -> str:
 def train_argv(args, config: str, seed: int, data: str, out: str) -> list[str]:
     argv = ["--engine", "reference", "--deepspeed", config, "--model", args.model, "--data", data,
             "--steps", str(args.steps), "--seed", str(seed), "--seq-len", str(args.seq_len), "--pp", str(args.pp),
-            "--dp", str(args.dp), "--eval-sequences", str(args.eval_sequences), "--output-dir", out]
+            "--dp", str(args.dp), "--eval-sequences", str(args.eval_sequences), "--output-dir", out,
+            "--resume", "auto"]   # a study cut short continues from the run's last checkpoint
     if args.eval_every:
         argv += ["--eval-every", str(args.eval_every)]
     if not args.save_dir:
