@@ -68,10 +68,14 @@ class AnchorConfig:
     consume: str = "scheduled"      # scheduled: use the gradient of snapshot s at step s+every (or
                                     # later if it is late) -- staleness K, reproducible; arrival: as
                                     # soon as it is published (staleness = the anchor's latency)
+    max_wait_s: float = 0.0         # scheduled: at step s+every, wait up to this long for snapshot s's
+                                    # gradients when the anchor is late (0: never wait, the paper's
+                                    # design; > 0: reproducible runs while the anchor keeps up)
     spectral: SpectralConfig = field(default_factory=SpectralConfig)
 
     def validate(self, p):
         check_range(self.every, f"{p}.every", 1, 1 << 30)
+        check_range(self.max_wait_s, f"{p}.max_wait_s", 0.0, 86400.0)
         check_range(self.keep, f"{p}.keep", 1, 1000)
         check_range(self.replicas, f"{p}.replicas", 0, 1024)
         check_choice(self.consume, ("scheduled", "arrival"), f"{p}.consume")

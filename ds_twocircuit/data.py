@@ -353,17 +353,42 @@ def heldout_sequences(docs: list[Document], tokenizer, seq_len: int, name: str =
     return PackedSequences(docs, tokenizer, seq_len, seed=HELDOUT_ORDER_SEED, shuffle=True, name=name)
 
 
+@dataclass(frozen=True)
+class StreamOrigin:
+    """Where the training stream of the current data-parallel width starts: at global ``step``,
+    ``micro_batches`` global micro-batches had been consumed (under earlier widths). A run that never
+    changed its width has (0, 0). Resuming on another width starts a new origin at the resume step,
+    so the stream continues without repeating or skipping a sequence."""
+    step: int = 0
+    micro_batches: int = 0
+
+    def consumed(self, step: int, dp: int, gas: int) -> int:
+        """Global micro-batches consumed before ``step`` at width ``dp``."""
+        return self.micro_batches + (step - self.step) * dp * gas
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "micro_batches": self.micro_batches}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "StreamOrigin":
+        return cls(**d) if d else cls()
+
+
 class MicroBatchStream:
     """Iterator of ``(input_ids, labels)`` micro-batches for one data-parallel replica.
 
     Global step s consumes sequences ``[s*B, (s+1)*B)`` (B = global batch); replica r takes
     micro-batches ``r*gas .. r*gas+gas-1`` of that step. The global micro-batch index
     ``r*gas + m`` is also the PRF mask's micro-batch field, so masks follow the data and a run
-    does not depend on how the global batch is split over replicas."""
+    does not depend on how the global batch is split over replicas. ``origin``: where this width's
+    stream starts (:class:`StreamOrigin`; after a resume on another DP width)."""
 
     def __init__(self, seqs: PackedSequences, micro_batch: int, gas: int, dp: int, dp_rank: int,
-                 start_step: int = 0):
+                 start_step: int = 0, origin: StreamOrigin | None = None):
         self.seqs, self.mb, self.gas, self.dp, self.rank = seqs, micro_batch, gas, dp, dp_rank
+        self.origin = origin or StreamOrigin()
+        if start_step < self.origin.step:
+            raise ValueError(f"start step {start_step} is before the stream's origin {self.origin}")
         self.step = start_step
         self.m = 0
 
@@ -371,7 +396,7 @@ class MicroBatchStream:
         return self
 
     def __next__(self):
-        g = self.step * self.dp * self.gas + self.rank * self.gas + self.m
+        g = self.origin.consumed(self.step, self.dp, self.gas) + self.rank * self.gas + self.m
         x = self.seqs.batch(g * self.mb, self.mb)
         self.m += 1
         if self.m == self.gas:

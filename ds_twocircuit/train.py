@@ -420,7 +420,12 @@ def _report_lost_peer(plan, world, reason: str, argv, progress) -> None:
              + (f"; {step - newest[0]} step(s) to redo)" if step is not None else ")")
              if newest else "No committed checkpoint yet (--save-interval / --save-interval-minutes)")
     cmd = resume_command(sys.argv[1:] if argv is None else list(argv))
-    print(f"\n[ds_twocircuit] {who(world.rank)} stopped {where}: {lost} ({reason}). {saved}. "
+    shrink = ""
+    if dp > 1 and newest:   # a node that stays gone: go on with the replicas that are left
+        shrink = (f" Should the node stay gone, resume the {dp - 1} replica(s) left with --dp {dp - 1} (the "
+                  "replicas' state is merged; pipeline stages are not elastic: a replica that lost a stage "
+                  "drops out as a whole).")
+    print(f"\n[ds_twocircuit] {who(world.rank)} stopped {where}: {lost} ({reason}). {saved}.{shrink} "
           f"Resume: {cmd}", file=sys.stderr, flush=True)
     if store is not None and world.global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         time.sleep(min(5.0, plan.args.peer_timeout) + 1.0)   # this process hosts the store: let the

@@ -95,6 +95,7 @@ def test_killed_rank_in_pp2_x_dp2_diloco_resumes_exactly(tmp_path, straight):
     lines = _diagnosis(p.stderr)
     assert lines and lines[0].startswith("[ds_twocircuit] rank 0 (stage 0, replica 0) stopped at step 5: "
                                          "rank 2 (stage 1, replica 0) stopped or cannot be reached"), p.stderr[-3000:]
+    assert "resume the 1 replica(s) left with --dp 1" in lines[0]      # the way on without the node
     assert "Traceback" not in p.stderr
     deepspeed_launch(4, args + ["--resume", "auto"])
     _same_run(out, straight["dp2"])

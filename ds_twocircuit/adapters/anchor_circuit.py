@@ -124,8 +124,10 @@ def commit_snapshot_safely(store: SnapshotStore, tag: str, step: int, batch: dic
 class AnchorLink:
     """Fast-circuit side: publish snapshots, consume anchor gradients, never wait."""
 
-    def __init__(self, engine, plan, world):
+    def __init__(self, engine, plan, world, origin=None):
+        from ..data import StreamOrigin
         self.engine, self.plan, self.world = engine, plan, world
+        self.origin = origin or StreamOrigin()   # the training stream's (after a resume on another DP width)
         self.every = plan.tc.anchor.every
         self.store = SnapshotStore(store_root(plan), keep=plan.tc.anchor.keep)
         self.opt = getattr(engine.optimizer, "twocircuit_correction", None)  # attach_correction's
@@ -204,6 +206,7 @@ class AnchorLink:
             for p in parts:
                 files.update(p)
             batch = {"run": self.run_id, "step": step, "dp": self.plan.dp, "gas": self.plan.gas, "micro_batch_size": self.plan.mb,
+                     "origin": self.origin.to_dict(),
                      "seq_len": self.plan.args.seq_len, "seed": self.plan.args.seed, "data": self.plan.args.data}
             commit_snapshot_safely(self.store, tag, step, batch, files)
         self.publish_s += time.perf_counter() - t0
@@ -240,9 +243,22 @@ class AnchorLink:
 
     def _read_store(self, after_step, max_step):
         """The newest gradients of this stage and run in the store (counted as anchor bytes: they
-        crossed from the anchor to this rank), or None. Never blocks."""
-        got = self.store.poll_anchor_gradients(self.stage, after_step=after_step, max_step=max_step)
-        if got is None or (got.batch_id or {}).get("run") != self.run_id:
+        crossed from the anchor to this rank), or None. Never blocks, unless ``anchor.max_wait_s``
+        allows waiting that long for the scheduled snapshot's gradients (the newest snapshot step at
+        or before ``max_step``) when they are not there yet."""
+        def read():
+            got = self.store.poll_anchor_gradients(self.stage, after_step=after_step, max_step=max_step)
+            return got if got is not None and (got.batch_id or {}).get("run") == self.run_id else None
+        got = read()
+        wait = self.plan.tc.anchor.max_wait_s
+        if wait > 0 and max_step is not None and max_step >= 0:
+            due = (max_step // self.every) * self.every          # the snapshot scheduled for now
+            deadline = time.time() + wait
+            while (got is None or got.source_step < due) and (after_step is None or after_step < due) \
+                    and time.time() < deadline:
+                time.sleep(0.02)
+                got = read() or got
+        if got is None:
             return None
         wire.count("anchor", got.nbytes)
         self.received_bytes += got.nbytes
@@ -305,7 +321,7 @@ def run_anchor(plan, world) -> int:
     from deepspeed.runtime.utils import clip_grad_norm_
     from transformers import AutoTokenizer
 
-    from ..data import MicroBatchStream, PackedSequences
+    from ..data import MicroBatchStream, PackedSequences, StreamOrigin
     from .engine import PipelineEngine
 
     args, tc = plan.args, plan.tc
@@ -346,7 +362,7 @@ def run_anchor(plan, world) -> int:
             lease = pick_snapshot(store, run_id, last_step, bad, reader_id) if run_id is not None else None
             if lease is not None:
                 info = lease.info
-                decision = [("work", info.tag, info.step, run_id, info.committed_at)]
+                decision = [("work", info.tag, info.step, run_id, info.committed_at, info.batch_id)]
             elif done:
                 decision = [("stop",)]
             elif time.time() - last_activity > idle_timeout:
@@ -364,7 +380,7 @@ def run_anchor(plan, world) -> int:
         if kind == "wait":
             time.sleep(poll_s)
             continue
-        _, tag, step, run_id, committed_at = decision[0]
+        _, tag, step, run_id, committed_at, batch_id = decision[0]
         run_of[tag] = run_id
         folder = os.path.join(store.snapshots_dir, tag)
         ok = to_comm(torch.tensor([1.0]))
@@ -381,7 +397,11 @@ def run_anchor(plan, world) -> int:
             continue
         for p in engine.module.parameters():
             p.grad = None
-        stream = MicroBatchStream(seqs, plan.mb, plan.gas, plan.dp, z % plan.dp, start_step=step)
+        # the snapshot's own batch: the fast circuit's width and stream origin when it was taken
+        batch_id = batch_id or {}
+        fast_dp = int(batch_id.get("dp", plan.dp))
+        stream = MicroBatchStream(seqs, plan.mb, plan.gas, fast_dp, z % fast_dp, start_step=step,
+                                  origin=StreamOrigin.from_dict(batch_id.get("origin")))
         loss = float(engine.train_batch(stream))
         if clip_like_fast:  # all ranks: the norm is summed over the stages of a replica
             clip_grad_norm_(parameters=engine.module.parameters(), max_norm=clip_like_fast, mpu=engine.mpu)

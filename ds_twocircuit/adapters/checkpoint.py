@@ -6,7 +6,13 @@ ours. Replicas are not identical under DiLoCo (local weights, inner optimizer) o
 buffers), so every rank also writes ``<tag>/twocircuit/stage{S}_dp{D}.pt`` with its optimizer
 state (spectral-correction state included), DP-backend state, local weights when they may differ
 from rank 0's, and RNG state. A resumed run continues exactly where the saved one stopped: the
-data position and the PRF mask keys are functions of the global step DeepSpeed restores.
+data position and the PRF mask keys are functions of the global step DeepSpeed restores (and of the
+stream's origin, which moves when a run resumes on another DP width).
+
+Resuming on another DP width: every new replica of a stage reads all the old replicas' files of
+that stage and loads their merge (``ds_twocircuit.replicas``: agreed state from the first replica,
+per-replica state averaged; each DP backend and codec says which is which), and the training stream
+continues at the first sequence no replica has seen.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ def _set_accelerator_rng_state(state) -> None:
     get_accelerator().set_rng_state(state)
 
 
-def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
+def save_training_state(engine, ckpt_dir: str, fault=None, origin=None) -> str:
     """Every rank writes its part (atomically: temp file, then rename); after a barrier rank 0
     writes ``twocircuit/COMPLETE.json`` -- the commit marker resume looks for -- and a second
     barrier makes the commit visible to all before training goes on."""
@@ -62,9 +68,15 @@ def save_training_state(engine, ckpt_dir: str, fault=None) -> str:
     maybe_inject(fault, "kill-in-checkpoint", dist.get_rank(), engine.global_steps)
     dist.barrier()
     if dist.get_rank() == 0:
+        from ..data import StreamOrigin
+        origin = origin or StreamOrigin()
         atomic_write_json(os.path.join(ckpt_dir, tag, STATE_DIR, COMMITTED),
                           {"global_steps": engine.global_steps, "pp": engine.num_stages,
-                           "dp": engine.dp_world_size, "backend": engine.tc.dp.backend})
+                           "dp": engine.dp_world_size, "backend": engine.tc.dp.backend,
+                           "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+                           "origin": origin.to_dict(),
+                           "consumed_micro_batches": origin.consumed(engine.global_steps, engine.dp_world_size,
+                                                                     engine.micro_batches)})
     dist.barrier()
     return os.path.join(ckpt_dir, tag)
 
@@ -85,8 +97,25 @@ def _resolve_tag(ckpt_dir: str) -> tuple[str, str]:
     return ckpt_dir, open(latest).read().strip()
 
 
-def load_training_state(engine, ckpt_dir: str) -> int:
-    """Restore everything; returns the global step to continue from."""
+def merge_rank_states(states: list[dict], backend_cls, codec_cls) -> dict:
+    """One rank file's state from the old replicas' files of a stage (a resume on another DP
+    width): optimizer moments and local weights averaged, the DP backend's and the codec's state
+    merged by their own rules, the rest from the first replica."""
+    from ..replicas import mean_state
+    first = states[0]
+    merged = {**first, "optimizer": mean_state([s["optimizer"] for s in states]),
+              "dp_backend": (backend_cls.merge_replica_states([s["dp_backend"] for s in states])
+                             if first["dp_backend"] is not None else None),
+              "module": mean_state([s["module"] for s in states]) if first["module"] is not None else None}
+    if first.get("codec") is not None:
+        merged["codec"] = {end: codec_cls.merge_states([s["codec"][end] for s in states]) for end in ("out", "in")}
+    return merged
+
+
+def load_training_state(engine, ckpt_dir: str):
+    """Restore everything; returns the global step to continue from and the training stream's
+    origin (``data.StreamOrigin``)."""
+    from ..data import StreamOrigin
     root, tag = _resolve_tag(ckpt_dir)
     meta_path = os.path.join(root, tag, STATE_DIR, COMMITTED)
     if not is_committed(root, tag):
@@ -94,21 +123,37 @@ def load_training_state(engine, ckpt_dir: str) -> int:
     meta = json.load(open(meta_path))
     if meta["pp"] != engine.num_stages:
         raise ConfigError(f"--resume: checkpoint has pp={meta['pp']}, this run pp={engine.num_stages}; "
-                          "resume with the same --pp")
+                          "resume with the same --pp (a replica that lost a stage drops out as a whole: the "
+                          "pipeline stages are not elastic, the data-parallel width is)")
     backend_name = engine.tc.dp.backend
     if meta["backend"] != backend_name:
         raise ConfigError(f"--resume: checkpoint used twocircuit.dp.backend={meta['backend']!r}, this run "
                           f"{backend_name!r}")
-    same_dp = meta["dp"] == engine.dp_world_size
-    if not same_dp and backend_name != "allreduce":
-        raise ConfigError(f"--resume: checkpoint has dp={meta['dp']}, this run dp={engine.dp_world_size}. "
-                          f"Backend {backend_name!r} keeps per-replica state (error buffers, local "
-                          "weights) that cannot be re-sharded; resume with the same --dp, or use "
-                          "allreduce")
+    mb = engine.train_micro_batch_size_per_gpu()
+    if meta.get("micro_batch_size", mb) != mb:
+        raise ConfigError(f"--resume: checkpoint trained micro-batches of {meta['micro_batch_size']} sequences, "
+                          f"this run {mb}; resume with the same --micro-batch-size")
+    old_dp = meta["dp"]
+    same_dp = old_dp == engine.dp_world_size
     engine.load_checkpoint(root, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=True)
-    src_dp = engine.dp_rank if same_dp else 0  # allreduce: every replica's state equals rank 0's
-    state = torch.load(_rank_file(root, tag, engine.stage_id, src_dp), map_location="cpu",
-                       weights_only=False)
+    if same_dp:
+        state = torch.load(_rank_file(root, tag, engine.stage_id, engine.dp_rank), map_location="cpu",
+                           weights_only=False)
+        origin = StreamOrigin.from_dict(meta.get("origin"))
+    else:
+        files = [_rank_file(root, tag, engine.stage_id, d) for d in range(old_dp)]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ConfigError(f"--resume on dp={engine.dp_world_size} from a dp={old_dp} checkpoint: every new "
+                              f"replica of stage {engine.stage_id} merges all {old_dp} old replicas' state, but "
+                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this node; "
+                              "use a shared --output-dir or copy the checkpoint's twocircuit/ folder to every node")
+        from ..codecs import get_codec
+        from ..dp.registry import get_backend
+        state = merge_rank_states([torch.load(f, map_location="cpu", weights_only=False) for f in files],
+                                  get_backend(backend_name), get_codec(engine.tc.mode))
+        origin = StreamOrigin(meta["global_steps"], meta.get("consumed_micro_batches",
+                                                             meta["global_steps"] * old_dp * engine.micro_batches))
     engine.optimizer.load_state_dict(state["optimizer"])
     if state["module"] is not None:
         engine.module.load_state_dict(state["module"])
@@ -123,4 +168,4 @@ def load_training_state(engine, ckpt_dir: str) -> int:
     if engine.global_steps != state["global_steps"]:
         raise ConfigError(f"--resume: DeepSpeed restored step {engine.global_steps} but "
                           f"{STATE_DIR} state is from step {state['global_steps']}")
-    return engine.global_steps
+    return engine.global_steps, origin

@@ -26,7 +26,7 @@ class PipelineEngine:
         from deepspeed.runtime.config import DeepSpeedConfig
         from ..dp.registry import config_from_dict, get_backend
         from .comm import dp_comm
-        from .pipe_module import build_pipeline
+        from .pipe_module import build_pipeline, hf_named_parameters
         from .pipeline_engine import MaskedPipelineEngine
 
         if role not in ("fast", "anchor"):
@@ -56,7 +56,7 @@ class PipelineEngine:
         mpu = module.mpu()
         ds = engine_cls(args=None, model=module, optimizer=optimizer, model_parameters=trainable, mpu=mpu,
                         config=ds_cfg, config_class=DeepSpeedConfig(copy.deepcopy(ds_cfg), mpu))
-        named = [(n, p) for n, p in ds.module.named_parameters() if p.requires_grad]
+        named = hf_named_parameters(ds.module, plan.spec)   # Hugging Face names: as the reference engine's
         self.dp_backend = get_backend(dp_cfg.backend)(named, dp_comm(ds.grid.get_data_parallel_group(), replicas),
                                                       dp_cfg)
         ds.pipeline_enable_backward_allreduce = False  # the backend does the DP sync
@@ -64,6 +64,8 @@ class PipelineEngine:
         self.ds = ds
         self.dp_rank = ds.dp_rank
         self._stream = None
+        from ..data import StreamOrigin
+        self.data_origin = StreamOrigin()   # moves when a checkpoint of another DP width is resumed
 
     # -------------------------------------------------------------- what the trainer reads
     @property
@@ -106,7 +108,8 @@ class PipelineEngine:
     def set_train_data(self, seqs, start_step: int) -> None:
         from ..data import MicroBatchStream
         p = self.plan
-        self._stream = MicroBatchStream(seqs, p.mb, p.gas, p.dp, self.dp_rank, start_step=start_step)
+        self._stream = MicroBatchStream(seqs, p.mb, p.gas, p.dp, self.dp_rank, start_step=start_step,
+                                        origin=self.data_origin)
 
     def train_batch(self) -> float:
         return float(self.ds.train_batch(self._stream))
@@ -124,16 +127,17 @@ class PipelineEngine:
 
     def anchor_link(self, world):
         from .anchor_circuit import AnchorLink
-        return AnchorLink(self.ds, self.plan, world)
+        return AnchorLink(self.ds, self.plan, world, origin=self.data_origin)
 
     # -------------------------------------------------------------- state
     def save_checkpoint(self, ckpt_dir: str, fault=None) -> str:
         from .checkpoint import save_training_state
-        return save_training_state(self.ds, ckpt_dir, fault)
+        return save_training_state(self.ds, ckpt_dir, fault, self.data_origin)
 
     def load_checkpoint(self, path: str) -> int:
         from .checkpoint import load_training_state
-        return load_training_state(self.ds, path)
+        step, self.data_origin = load_training_state(self.ds, path)
+        return step
 
     def finalize(self) -> bool:
         return self.dp_backend.finalize()

@@ -105,3 +105,15 @@ def stage_hf_state(module: TwoCircuitPipe, spec: ModelSpec) -> dict[str, torch.T
             for local, hf in hf_state_of(m, spec).items():
                 out[hf] = sd[local].detach().to("cpu").clone()
     return out
+
+
+def hf_named_parameters(module: TwoCircuitPipe, spec: ModelSpec) -> list[tuple[str, torch.nn.Parameter]]:
+    """This stage's trainable parameters under their Hugging Face names, in module order: the DP
+    backends key their state (and PowerSGD its random starts) by name, so a stage names its
+    parameters as the single-process reference engine's model does and both compress alike."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, PIPE_LAYER_TYPES):
+            names = hf_state_of(m, spec)
+            out += [(names[n], p) for n, p in m.named_parameters() if p.requires_grad]
+    return out

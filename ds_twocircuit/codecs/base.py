@@ -146,6 +146,13 @@ class Codec:
     def load_state_dict(self, d: dict) -> None:
         pass
 
+    @classmethod
+    def merge_states(cls, states: list[dict]) -> dict:
+        """One end's state for a run resumed on another DP width, from the old replicas' states of
+        this link end (``ds_twocircuit.replicas``); the new link's two ends merge the same way, so
+        they agree."""
+        return states[0]
+
     state_bytes_sent = 0   # bytes of codec state this end has shipped (a stateful sender counts them)
 
     # ---------------------------------------------------------------- the wire

@@ -104,6 +104,15 @@ class StatefulCodec(Codec):
         return {"moments": self.moments.state_dict(), "has_state": self.has_state,
                 **{k: getattr(self, k) for k in self._STATE_FIELDS}}
 
+    @classmethod
+    def merge_states(cls, states: list[dict]) -> dict:
+        """The running statistics summed (everything every replica's sender measured); the state on
+        the wire (mean, basis, ...) from the first replica's link, so both new ends hold the same
+        until the next refresh fits one on the merged statistics."""
+        from ..replicas import sum_state
+        moments = [s["moments"] for s in states if s["moments"]["n"]]
+        return {**states[0], "moments": sum_state(moments) if moments else states[0]["moments"]}
+
     def load_state_dict(self, d: dict) -> None:
         self.moments.load_state_dict(d["moments"])
         self.has_state = d["has_state"]

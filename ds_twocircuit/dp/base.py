@@ -210,6 +210,10 @@ class DPBackend:
     # True when DP replicas hold different weights between syncs (each rank must checkpoint its
     # own module weights, not only DP rank 0's).
     replicas_may_differ = False
+    # True when the backend splits its parameters into groups that must follow the pipeline's
+    # stages (Streaming DiLoCo's fragments: each stage splits its own); a single process holding
+    # every stage then passes the split of :meth:`stage_split` to the constructor
+    splits_by_stage = False
 
     def __init__(self, named_params, comm: Communicator | None, cfg):
         self.cfg = self.config_class.coerce(cfg, backend=self.backend_name)
@@ -284,6 +288,20 @@ class DPBackend:
 
     def state_dict(self) -> dict:
         return {"backend": self.backend_name, "names": list(self.names)}
+
+    @classmethod
+    def stage_split(cls, stages: list[list[tuple[str, int]]], cfg) -> dict:
+        """Constructor keyword arguments that make one process holding every pipeline stage (``stages``:
+        each stage's trainable (name, numel) in order) group its parameters as the stages' own
+        backends do (``splits_by_stage``); nothing for most backends."""
+        return {}
+
+    @classmethod
+    def merge_replica_states(cls, states: list[dict]) -> dict:
+        """One state for every replica of a run resumed on another DP width, from the states the
+        old replicas saved (``ds_twocircuit.replicas``: agreed state from the first, per-replica
+        state averaged). The base class holds nothing per replica."""
+        return states[0]
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("backend") != self.backend_name:

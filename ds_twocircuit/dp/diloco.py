@@ -359,6 +359,22 @@ class DiLoCo(DPBackend):
             "dirty": list(self.dirty),
         }
 
+    @classmethod
+    def merge_replica_states(cls, states: list[dict]) -> dict:
+        """Backups, outer momentum and the schedule are agreed (from the first replica). Syncs in
+        flight are dropped: the merged local weights (the replicas' average, which the checkpoint
+        loader takes) already hold their progress, and the next sync of those fragments sends it
+        again; so their error-feedback buffers are reset (else the residual of the dropped round would
+        be sent twice) and the others averaged. Every fragment counts as drifted (the end-of-run
+        average stays exact)."""
+        first = states[0]
+        dropped = {n for rec in first["pending"] for n in first["fragments"][rec["fragment"]]}
+        comp = None
+        if first["compressor"] is not None:
+            from .powersgd import merge_compressor_states
+            comp = merge_compressor_states([s["compressor"] for s in states], drop=dropped)
+        return {**first, "compressor": comp, "pending": [], "dirty": [True] * len(first["fragments"])}
+
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         frags = [[self.names[i] for i in frag] for frag in self.fragments]
@@ -400,6 +416,18 @@ class StreamingDiLoCo(DiLoCo):
 
     backend_name = "streaming_diloco"
     config_class = StreamingDiLoCoConfig
+    splits_by_stage = True
+
+    @classmethod
+    def stage_split(cls, stages, cfg) -> dict:
+        """Fragment f is the union of every stage's fragment f, each stage split as its own backend
+        splits it (contiguous runs balanced by numel), so every parameter syncs on the steps it
+        syncs on in the pipeline."""
+        frags = [[] for _ in range(cfg.num_fragments)]
+        for named in stages:
+            for f, idx in enumerate(split_fragments([n for _, n in named], cfg.num_fragments)):
+                frags[f] += [named[i][0] for i in idx]
+        return {"fragments": frags}
 
     def _setup_streaming(self, c) -> None:
         self.num_fragments, self.overlap = c.num_fragments, c.overlap

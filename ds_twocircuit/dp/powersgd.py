@@ -155,6 +155,15 @@ class PowerSGDCompressor:
         self.rounds = int(sd["rounds"])
 
 
+def merge_compressor_states(states: list[dict], drop=()) -> dict:
+    """PowerSGDCompressor states of several replicas as one: error buffers averaged (``drop``: keys
+    whose error is reset instead), Q and the round counter from the first."""
+    from ..replicas import mean_state
+    error = {k: (torch.zeros_like(v) if k in drop else mean_state([s["error"][k] for s in states]))
+             for k, v in states[0]["error"].items()}
+    return {**states[0], "error": error}
+
+
 class PowerSGDRound:
     """One compressed averaging of a tensor list; launched in the constructor."""
 
@@ -289,6 +298,12 @@ class PowerSGD(DPBackend):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}
+
+    @classmethod
+    def merge_replica_states(cls, states: list[dict]) -> dict:
+        """The error-feedback buffers averaged (the residual the replicas' mean still owes); the
+        warm-start Q and the round counter are the same on every replica."""
+        return {**states[0], "compressor": merge_compressor_states([s["compressor"] for s in states])}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

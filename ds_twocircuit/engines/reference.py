@@ -20,6 +20,7 @@ pipeline engine on the same config files.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import threading
 
@@ -28,7 +29,7 @@ import torch
 from .. import wire
 from ..configkit import ConfigError
 from ..dp.base import Communicator
-from ..models.layers import causal_lm_loss, hf_decoder_matrices
+from ..models.layers import causal_lm_loss, hf_decoder_matrices, stage_of
 
 
 # ------------------------------------------------------------------------------------------ DP in-process
@@ -201,12 +202,21 @@ class ReferenceEngine:
                 correction = build_correction(opt, hf_decoder_matrices(model), tc.anchor, plan.args.seed)
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             comm = self.group.comm(r) if self.group is not None else None
-            backend = get_backend(tc.dp.backend)(named, comm, tc.dp)
+            backend_cls = get_backend(tc.dp.backend)
+            kw = {}
+            if backend_cls.splits_by_stage:   # group the parameters as each pipeline stage's backend does
+                n_layers = int(model.config.num_hidden_layers)
+                stages = [[(n, p.numel()) for n, p in named if stage_of(n, plan.parts, n_layers) == s]
+                          for s in range(plan.pp)]
+                kw = backend_cls.stage_split(stages, tc.dp)
+            backend = backend_cls(named, comm, tc.dp, **kw)
             self.replicas.append(_Replica(model, masker, opt, correction, backend))
         self.global_steps = 0
         self.timing = {"codec_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "dp_s": 0.0}
         self.step_stats: dict = {}
         self.start_broadcast_bytes = 0
+        from ..data import StreamOrigin
+        self.data_origin = StreamOrigin()   # moves when a checkpoint of another DP width is resumed
         self.dp_rank = 0
         self._clean_every = getattr(tc, "clean_every", 0) or 0
 
@@ -240,7 +250,8 @@ class ReferenceEngine:
         p = self.plan
         self.train_seqs = seqs
         for r, rep in enumerate(self.replicas):
-            rep.stream = MicroBatchStream(seqs, p.mb, p.gas, p.dp, r, start_step=start_step)
+            rep.stream = MicroBatchStream(seqs, p.mb, p.gas, p.dp, r, start_step=start_step,
+                                          origin=self.data_origin)
 
     def clean_step(self, step: int) -> bool:
         """``twocircuit.clean_every`` K: every K-th step trains through dense boundaries."""
@@ -339,7 +350,10 @@ class ReferenceEngine:
         maybe_inject(fault, "kill-in-checkpoint", 0, self.global_steps)
         atomic_write_json(os.path.join(tag, STATE_DIR, COMMITTED),
                           {"global_steps": self.global_steps, "pp": self.plan.pp, "dp": self.plan.dp,
-                           "backend": self.plan.tc.dp.backend, "engine": self.kind})
+                           "backend": self.plan.tc.dp.backend, "engine": self.kind, "micro_batch_size": self.plan.mb,
+                           "origin": self.data_origin.to_dict(),
+                           "consumed_micro_batches": self.data_origin.consumed(self.global_steps, self.plan.dp,
+                                                                              self.plan.gas)})
         return tag
 
     def load_checkpoint(self, path: str) -> int:
@@ -354,9 +368,19 @@ class ReferenceEngine:
         if not os.path.isfile(file):
             raise ConfigError(f"--resume {path!r}: not a checkpoint of the reference engine ({file} missing)")
         state = torch.load(file, map_location="cpu", weights_only=False)
-        if len(state["replicas"]) != len(self.replicas):
-            raise ConfigError(f"--resume: the checkpoint has dp={len(state['replicas'])}, this run dp={len(self.replicas)}")
-        for rep, st in zip(self.replicas, state["replicas"]):
+        meta = json.load(open(os.path.join(tag, STATE_DIR, COMMITTED)))
+        from ..data import StreamOrigin
+        if meta.get("micro_batch_size", self.plan.mb) != self.plan.mb:
+            raise ConfigError(f"--resume: checkpoint trained micro-batches of {meta['micro_batch_size']} sequences, "
+                              f"this run {self.plan.mb}; resume with the same --micro-batch-size")
+        replicas = state["replicas"]
+        if len(replicas) != len(self.replicas):   # another DP width: every new replica loads the merge
+            merged = self._merge(replicas)   # a copy each: load_state_dict may keep the tensors it is given
+            replicas = [copy.deepcopy(merged) for _ in self.replicas]
+            self.data_origin = StreamOrigin(meta["global_steps"], meta["consumed_micro_batches"])
+        else:
+            self.data_origin = StreamOrigin.from_dict(meta.get("origin"))
+        for rep, st in zip(self.replicas, replicas):
             rep.model.load_state_dict(st["model"])
             rep.optimizer.load_state_dict(st["optimizer"])
             rep.backend.load_state_dict(st["dp_backend"])
@@ -368,6 +392,20 @@ class ReferenceEngine:
         self.global_steps = state["global_steps"]
         self._resumed_anchor = state.get("anchor")
         return self.global_steps
+
+    def _merge(self, replicas: list[dict]) -> dict:
+        """One replica's state from the old replicas' (as the pipeline's checkpoint loader merges a
+        stage's rank files): weights and optimizer moments averaged, the DP backend's and the codecs'
+        state by their own rules."""
+        from ..codecs import get_codec
+        from ..replicas import mean_state
+        codec_cls = get_codec(self.plan.tc.mode)
+        first = replicas[0]
+        return {"model": mean_state([r["model"] for r in replicas]),
+                "optimizer": mean_state([r["optimizer"] for r in replicas]),
+                "dp_backend": type(self.replicas[0].backend).merge_replica_states([r["dp_backend"] for r in replicas]),
+                "codecs": {b: tuple(codec_cls.merge_states([r["codecs"][b][end] for r in replicas]) for end in (0, 1))
+                           for b in first["codecs"]}}
 
     def finalize(self) -> bool:
         results = run_replicas(self.group, lambda r: self.replicas[r].backend.finalize(), len(self.replicas))
@@ -434,7 +472,7 @@ class InProcessAnchor:
         eng, p = self.engine, self.engine.plan
         rep = eng.replicas[0]
         from ..data import MicroBatchStream
-        stream = MicroBatchStream(eng.train_seqs, p.mb, p.gas, p.dp, 0, start_step=step)
+        stream = MicroBatchStream(eng.train_seqs, p.mb, p.gas, p.dp, 0, start_step=step, origin=eng.data_origin)
         grads = {n: q.grad for n, q in rep.model.named_parameters()}
         saved = {n: (g.clone() if g is not None else None) for n, g in grads.items()}
         rep.model.zero_grad(set_to_none=True)

@@ -204,6 +204,26 @@ def model_parts(hf_model, num_stages: int, method: str) -> list[int]:
     return partition_parts(int(cfg.num_hidden_layers), num_stages, method, *costs)
 
 
+def pipeline_layer_of(hf_name: str, num_layers: int) -> int:
+    """The pipeline layer (embedding 0, decoder i at i + 1, norm, head) that holds the Hugging Face
+    parameter ``hf_name`` (the numbering of :func:`partition_parts`)."""
+    if hf_name.startswith("model.embed_tokens."):
+        return 0
+    if hf_name.startswith("model.layers."):
+        return int(hf_name.split(".")[2]) + 1
+    if hf_name.startswith("model.norm."):
+        return num_layers + 1
+    if hf_name.startswith("lm_head."):
+        return num_layers + 2
+    raise ValueError(f"parameter {hf_name!r} is in no pipeline layer (embed_tokens, layers.i, norm, lm_head)")
+
+
+def stage_of(hf_name: str, parts: list[int], num_layers: int) -> int:
+    """The pipeline stage holding ``hf_name`` under the stage boundaries ``parts``."""
+    layer = pipeline_layer_of(hf_name, num_layers)
+    return next(s for s in range(len(parts) - 1) if parts[s] <= layer < parts[s + 1])
+
+
 def boundary_layers(parts: list[int]) -> list[int]:
     """Pipeline-layer index whose output crosses boundary b (the last layer of stage b)."""
     return [parts[b + 1] - 1 for b in range(len(parts) - 2)]

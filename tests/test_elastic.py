@@ -1,0 +1,112 @@
+"""Resuming on another data-parallel width (nodes come and go): per-replica state is merged, not
+refused, the training stream continues at the first unseen sequence, and the pipeline engine and the
+reference engine merge alike. Tiny preset."""
+import json
+import os
+
+import pytest
+import torch
+
+from launch_helpers import CONFIGS, read_metrics, read_summary, read_weights, torchrun
+
+SEQ, MB, GAS = 16, 2, 2
+BACKENDS = {
+    "allreduce": {"backend": "allreduce"},
+    "powersgd": {"backend": "powersgd", "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}},
+    "diloco": {"backend": "diloco", "inner_steps": 2},
+    "streaming_diloco": {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                         "compression": "powersgd",
+                         "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}},
+}
+
+
+def _config(tmp_path, backend, name="lowrank", optimizer="AdamW"):
+    cfg = json.load(open(os.path.join(CONFIGS, f"{name}.json")))
+    cfg["twocircuit"]["dp"] = BACKENDS[backend]
+    if cfg["twocircuit"]["mode"] == "lowrank":
+        cfg["twocircuit"]["codec"] = {"groups": [[8, 4]], "refresh_steps": [0, 3]}
+    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = MB, GAS
+    if optimizer == "SGD":
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05}}
+        cfg["gradient_clipping"] = 0.0
+    path = tmp_path / f"{backend}_{name}_{optimizer}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _args(config, out, steps, dp, extra=()):
+    return ["--model", "tiny", "--deepspeed", config, "--steps", str(steps), "--seq-len", str(SEQ), "--pp", "2",
+            "--dp", str(dp), "--eval-sequences", "0", "--output-dir", out, *extra]
+
+
+def _reference(config, out, steps, dp, extra=()):
+    from ds_twocircuit import train
+    assert train.run(["--engine", "reference", *_args(config, out, steps, dp, extra)]) == 0
+    return read_summary(out)
+
+
+def test_the_stream_continues_without_repeating_or_skipping():
+    from ds_twocircuit.data import MicroBatchStream, StreamOrigin
+
+    class Seqs:   # records which sequences are read
+        def batch(self, start, count):
+            return torch.arange(start, start + count)
+    seen = []
+    for dp, steps, origin in ((2, range(0, 3), StreamOrigin()), (1, range(3, 5), StreamOrigin(3, 3 * 2 * GAS)),
+                              (3, range(5, 7), StreamOrigin(5, 3 * 2 * GAS + 2 * 1 * GAS))):
+        for r in range(dp):
+            s = MicroBatchStream(Seqs(), MB, GAS, dp, r, start_step=steps[0], origin=origin)
+            for _ in range(len(steps) * GAS):
+                seen += next(s)[0].tolist()
+    assert sorted(seen) == list(range(len(seen))) and len(seen) == (3 * 2 + 2 * 1 + 2 * 3) * GAS * MB
+    with pytest.raises(ValueError, match="before the stream's origin"):
+        MicroBatchStream(Seqs(), MB, GAS, 1, 0, start_step=2, origin=StreamOrigin(3, 12))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend):
+    """2 -> 1 -> 2 replicas on the reference engine: the shrunk run starts from the replicas' mean
+    (weights and optimizer moments; the backend's and the codec's state by their own rules) and the
+    first sequence no replica has seen; the grown run's replicas start identical and end identical."""
+    from ds_twocircuit import train
+    from ds_twocircuit.engines.reference import ReferenceEngine
+    from ds_twocircuit.replicas import mean_state
+    config = _config(tmp_path, backend)
+    out = str(tmp_path / "run")
+    _reference(config, out, 3, 2, ["--save-checkpoint"])    # DiLoCo: replicas drift after step 2's sync
+    saved = torch.load(os.path.join(out, "checkpoint", "global_step3", "twocircuit", "reference.pt"),
+                       weights_only=False)
+    # the engine on one replica, loaded from the 2-replica checkpoint
+    args = train.parse_args(["--engine", "reference", *_args(config, out, 5, 1, ["--resume", "auto"])])
+    engine = ReferenceEngine(train.make_plan(args, 1))
+    assert engine.load_checkpoint(os.path.join(out, "checkpoint")) == 3
+    mean = mean_state([r["model"] for r in saved["replicas"]])
+    got = engine.replicas[0].model.state_dict()
+    assert all(torch.equal(got[k], mean[k]) for k in mean)
+    if backend in ("diloco", "streaming_diloco"):   # replicas drift between syncs: the mean is new
+        assert any(not torch.equal(saved["replicas"][0]["model"][k], saved["replicas"][1]["model"][k]) for k in mean)
+    assert engine.data_origin.step == 3 and engine.data_origin.micro_batches == 3 * 2 * GAS
+    # the run goes on: 2 more steps on 1 replica, then 2 more on 2 replicas
+    s1 = _reference(config, out, 5, 1, ["--resume", "auto", "--save-checkpoint"])
+    assert s1["first_step"] == 3 and s1["mesh"]["dp"] == 1
+    s2 = _reference(config, out, 7, 2, ["--resume", "auto"])
+    assert s2["first_step"] == 5 and s2["dp_replicas_identical"] is True
+    losses = [m["loss"] for m in read_metrics(out)]
+    assert [m["step"] for m in read_metrics(out)] == list(range(7)) and all(l < 7 for l in losses)
+
+
+@pytest.mark.multiproc
+def test_pipeline_and_reference_merge_alike(tmp_path):
+    """Streaming DiLoCo with PowerSGD (the most per-replica state) on pp 2: dp 2 -> 1 -> 2 through
+    DeepSpeed equals the same chain on the reference engine (SGD: a tight tolerance on any CPU)."""
+    config = _config(tmp_path, "streaming_diloco", name="m95", optimizer="SGD")
+    pipe, ref = str(tmp_path / "pipe"), str(tmp_path / "ref")
+    for steps, dp in ((3, 2), (5, 1), (7, 2)):
+        extra = ["--save-checkpoint"] + (["--resume", "auto"] if steps > 3 else [])
+        torchrun(2 * dp, _args(config, pipe, steps, dp, extra))
+        _reference(config, ref, steps, dp, extra)
+    a, b = [m["loss"] for m in read_metrics(pipe)], [m["loss"] for m in read_metrics(ref)]
+    assert len(a) == 7 and a == pytest.approx(b, rel=1e-5)
+    w, r = read_weights(os.path.join(pipe, "hf")), read_weights(os.path.join(ref, "hf"))
+    assert max(float((w[k] - r[k]).abs().max()) for k in w) < 1e-5
+    assert read_summary(pipe)["dp_replicas_identical"] is True
