@@ -218,7 +218,7 @@ class ReferenceEngine:
         from ..data import StreamOrigin
         self.data_origin = StreamOrigin()   # moves when a checkpoint of another DP width is resumed
         self.dp_rank = 0
-        self._clean_every = getattr(tc, "clean_every", 0) or 0
+        self._clean_every = tc.clean_every
 
     # -------------------------------------------------------------- what the trainer reads
     @property
@@ -240,9 +240,6 @@ class ReferenceEngine:
     def parameter_counts(self) -> tuple[int, int]:
         params = list(self.replicas[0].model.parameters())
         return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-    def models(self) -> list:
-        return [r.model for r in self.replicas]
 
     # -------------------------------------------------------------- training and evaluation
     def set_train_data(self, seqs, start_step: int) -> None:
@@ -300,8 +297,8 @@ class ReferenceEngine:
         dense codec would send (activations and gradients, every boundary, every micro-batch)."""
         p = self.plan
         tokens = p.mb * p.gas * p.args.seq_len * p.dp * (p.pp - 1)
-        from ..codecs import build_codec
-        act, grad = build_codec("dense", p.tc.wire_dtype).payload_bytes(p.spec.hidden, 4)
+        from ..codecs import DENSE, build_codec
+        act, grad = build_codec(DENSE, p.tc.wire_dtype).payload_bytes(p.spec.hidden, 4)   # fp32 activations
         wire.count("pp_activations", tokens * act)
         wire.count("pp_gradients", tokens * grad)
 
