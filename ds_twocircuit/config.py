@@ -252,7 +252,10 @@ def apply_overrides(ds: dict, overrides: list[str], where: str = "--set") -> dic
     """``ds`` (a DeepSpeed config dict) with each ``KEY=VALUE`` of ``overrides`` applied: ``KEY`` a
     dotted path (``twocircuit.codec.groups``, ``optimizer.params.lr``), ``VALUE`` JSON (``[[112,4]]``,
     ``0.5``, ``true``, ``"bf16"``) or, if it is not JSON, a plain string. Missing objects on the path
-    are created; the result is validated as any config file is. Returns a new dict."""
+    are created; the result is validated as any config file is. Returns a new dict; a key it adds
+    outside ``twocircuit`` (whose keys are all checked) gets a warning, since DeepSpeed ignores keys
+    it does not know (``gradient_cliping`` would change nothing)."""
+    import warnings
     out = json.loads(json.dumps(ds))
     for item in overrides:
         path, sep, raw = item.partition("=")
@@ -265,12 +268,18 @@ def apply_overrides(ds: dict, overrides: list[str], where: str = "--set") -> dic
             value = raw
         node = out
         keys = path.split(".")
+        created = False
         for k in keys[:-1]:
             nxt = node.get(k)
             if nxt is None:
                 nxt = node[k] = {}
+                created = True
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{where} {item!r}: {k} is not an object in the config")
             node = nxt
+        created = created or keys[-1] not in node
         node[keys[-1]] = value
+        if created and keys[0] != "twocircuit":
+            warnings.warn(f"{where} {item!r} adds {path}, which the config did not have: check its spelling "
+                          "(DeepSpeed ignores keys it does not know)", stacklevel=2)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import masks, wire
-from .models.layers import boundary_layers, causal_lm_loss, layer_module_name, model_parts
+from .models.layers import boundary_layers, layer_module_name, model_parts
 
 
 class _CodecLink(torch.autograd.Function):
@@ -57,19 +57,28 @@ class BoundaryMasker:
     replica: a DP replica's links are its own). ``set_message(step, micro_batch)`` selects the PRF key
     fields for the next forward pass (``micro_batch`` is the global micro-batch index, replica x gas +
     local index, as in the engine); steps from ``masks.EVAL_STEP_OFFSET`` on are evaluation messages.
-    ``enabled = False`` lets the boundary through untouched (dense, uncounted)."""
+    ``dense = True`` sends the boundary through a dense codec pair instead (``dense_factory``: the
+    run's wire dtype, its bytes counted), as the engine does for dense evaluation and clean steps;
+    ``enabled = False`` lets it through untouched and uncounted (the anchor's own dense pass, not
+    fast-circuit traffic)."""
 
     def __init__(self, model, num_stages: int, codec_factory, seed: int = 0, partition: str = "balanced",
-                 parts: list[int] | None = None, gas: int = 1):
+                 parts: list[int] | None = None, gas: int = 1, dense_factory=None):
         cfg = model.config
         self.model = model
         self.num_layers = int(cfg.num_hidden_layers)
         self.parts = list(parts) if parts is not None else model_parts(model, num_stages, partition)
         self.codec_factory, self.seed, self.gas = codec_factory, int(seed), int(gas)
+        if dense_factory is None:
+            from .codecs import DENSE, build_codec
+            dense_factory = lambda: build_codec(DENSE)  # noqa: E731
+        self.dense_factory = dense_factory
         self.step, self.micro = 0, 0
         self.enabled = True
+        self.dense = False
         self.count = True
         self._pairs: dict = {}
+        self._dense_pairs: dict = {}
         self._handles = []
         self.attach()
 
@@ -81,13 +90,6 @@ class BoundaryMasker:
         for b, layer in enumerate(boundary_layers(self.parts)):
             mod = self.model.get_submodule(layer_module_name(_Spec, layer))
             self._handles.append(mod.register_forward_hook(self._hook(b)))
-
-    @classmethod
-    def from_config(cls, model, num_stages: int, tc, seed: int = 0, parts=None, gas: int = 1) -> "BoundaryMasker":
-        """The boundaries of a run whose ``twocircuit`` section is ``tc`` (a ``TwoCircuitConfig``)."""
-        from .codecs import make_codec
-        return cls(model, num_stages, lambda: make_codec(tc), seed=seed, partition=tc.partition, parts=parts,
-                   gas=gas)
 
     def set_message(self, step: int, micro_batch: int) -> None:
         self.step, self.micro = int(step), int(micro_batch)
@@ -112,7 +114,12 @@ class BoundaryMasker:
 
     def apply(self, h: torch.Tensor, boundary: int) -> torch.Tensor:
         train = self.step < masks.EVAL_STEP_OFFSET
-        pair = self.pair(boundary)
+        if self.dense:
+            if boundary not in self._dense_pairs:
+                self._dense_pairs[boundary] = (self.dense_factory(), self.dense_factory())
+            pair = self._dense_pairs[boundary]
+        else:
+            pair = self.pair(boundary)
         first = self.micro % self.gas == 0
         if first or not train:  # the engine resets its codecs at the start of every batch
             pair[0].reset()
@@ -120,10 +127,6 @@ class BoundaryMasker:
         key = masks.mask_key(self.seed, boundary, self.step, self.micro, h.shape[-1])
         msg = pair[0].message(key, h.shape, self.step % masks.EVAL_STEP_OFFSET, first_of_step=first, train=train)
         return _CodecLink.apply(h, pair, msg, self.count)
-
-    def codec_state_bytes(self) -> int:
-        """Bytes of codec state the senders have shipped so far (all boundaries and replicas)."""
-        return sum(p[0].state_bytes_sent for p in self._pairs.values())
 
     def remove(self) -> None:
         for hd in self._handles:

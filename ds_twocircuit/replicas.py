@@ -29,16 +29,3 @@ def mean_state(states: list):
     return first
 
 
-def sum_state(states: list):
-    """The element-wise sum of tensors (and numbers) over ``states``: running statistics."""
-    first = states[0]
-    if isinstance(first, dict):
-        return {k: sum_state([s[k] for s in states]) for k in first}
-    if torch.is_tensor(first):
-        acc = first.clone()
-        for s in states[1:]:
-            acc += s
-        return acc
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return sum(states)
-    return first

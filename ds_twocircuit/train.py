@@ -274,9 +274,19 @@ def make_plan(args, world_size: int) -> Plan:
     if otype.lower() not in OPTIMIZERS:
         raise ConfigError(f"{args.config}: optimizer.type = {otype!r}; allowed: "
                           f"{', '.join(sorted(OPTIMIZERS.values()))}")
+    if not isinstance(opt, dict) or set(opt) - {"type", "params"}:
+        extra = sorted(set(opt) - {"type", "params"}) if isinstance(opt, dict) else opt
+        raise ConfigError(f"{args.config}: optimizer has {extra!r}; allowed keys under optimizer: params, type")
     params = {k: v for k, v in (opt.get("params") or {}).items() if k not in ("torch_adam", "adam_w_mode")}
     if args.lr is not None:
         params["lr"] = args.lr
+    import inspect
+    import torch
+    accepted = set(inspect.signature(getattr(torch.optim, OPTIMIZERS[otype.lower()])).parameters) - {"params"}
+    unknown = sorted(set(params) - accepted)
+    if unknown:   # a typo (e.g. from --set) would otherwise surface as a TypeError on every rank
+        raise ConfigError(f"{args.config}: optimizer.params.{unknown[0]} is not an argument of "
+                          f"torch.optim.{OPTIMIZERS[otype.lower()]}; allowed: {', '.join(sorted(accepted))}")
     optimizer = (OPTIMIZERS[otype.lower()], params)
     # what the DP backend cannot run with (its own rules, dp/<backend>.py)
     tc.dp.check_deepspeed(ds, pp=pp, where=args.config, tied_embeddings=tc.tied_embeddings,

@@ -86,10 +86,9 @@ def _open_metrics(path: str, start_step: int):
                         kept.append(line if line.endswith("\n") else line + "\n")
                 except (ValueError, KeyError, TypeError):
                     break                       # a line cut short by the crash: the rest is redone
-    f = open(path, "w")
-    f.writelines(kept)
-    f.flush()
-    return f
+    from .files import atomic_write_text
+    atomic_write_text(path, "".join(kept))   # a crash now cannot lose the steps already recorded
+    return open(path, "a")
 
 
 class StepLog:
@@ -278,8 +277,8 @@ class Trainer:
                         kept.append(point)
         self.curve = kept
         if self.is_rank0:
-            with open(path, "w") as f:
-                f.writelines(json.dumps(p) + "\n" for p in kept)
+            from .files import atomic_write_text
+            atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in kept))
 
     # -------------------------------------------------------------- run
     def run(self) -> dict | None:
@@ -361,11 +360,11 @@ class Trainer:
         if self.evaluating:
             self.evaluate(args.steps, "heldout_loss")
 
-        # start-up: what this rank received from its DP group's first replica (one-off, outside our
-        # counters; nothing when the replicas loaded the same weights, see MaskedPipelineEngine)
         # the model first: whatever its export sends is counted (each stage writes its own shard)
         folder = None if args.no_save_model else engine.export_hf(os.path.join(plan.output_dir, "hf"), self.world)
         trainable, total = engine.parameter_counts()
+        # dp_init: what this rank received in a start-up weight broadcast from its DP group's first
+        # replica (one-off, outside the training counters; nothing when the replicas loaded the same weights)
         counts = {"dp_final_sync": dp_final_local, "dp_init": engine.start_broadcast_bytes,
                   "trainable": trainable, "parameters": total}
         totals = {k: int(v) for k, v in self.world.sum({**wire.totals(), **counts}).items()}
@@ -384,8 +383,8 @@ class Trainer:
         if self.is_rank0:
             if folder is not None:
                 summary["hf_folder"] = folder
-            with open(os.path.join(plan.output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            from .files import atomic_write_text
+            atomic_write_text(os.path.join(plan.output_dir, "summary.json"), json.dumps(summary, indent=2))
             print_summary(summary, plan.output_dir)
         return summary
 

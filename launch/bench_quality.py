@@ -80,16 +80,22 @@ def train_argv(args, config: str, seed: int, data: str, out: str) -> list[str]:
 
 def row_of(summary: dict, label: str, config: str, overrides: list[str], command: str) -> dict:
     """One row of the study from a run's ``summary.json``."""
-    wb, tokens = summary["wire_bytes"], summary["tokens"]
+    wb = summary["wire_bytes"]
+    # the whole run's length (a resumed run's summary counts the steps since its resume; its bytes too,
+    # so they are per token of that part)
+    steps = summary["first_step"] + summary["steps"]
+    tokens_run = summary["tokens"]
+    tokens = tokens_run // summary["steps"] * steps
     hidden, links = summary["hidden_size"], summary["mesh"]["pp"] - 1
     pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"]
-    per_token = pp / (2 * tokens * links) if links else 0.0   # per boundary, per direction, state included
+    per_token = pp / (2 * tokens_run * links) if links else 0.0   # per boundary, per direction, state included
     dtype_bytes = 4   # the study trains in fp32 (the reference engine); bf16 users: the _bf16 ratio
     first = summary["heldout_curve"][0] if summary.get("heldout_curve") else {}
     return {
         "label": label, "config": config, "overrides": overrides, "seed": summary["config"]["seed"],
         "domain": summary["data"]["spec"], "data_fingerprint": summary["data"]["fingerprint"],
-        "steps": summary["steps"], "tokens": tokens, "dp": summary["mesh"]["dp"], "pp": summary["mesh"]["pp"],
+        "steps": steps, "first_step": summary["first_step"], "tokens": tokens, "dp": summary["mesh"]["dp"],
+        "pp": summary["mesh"]["pp"],
         "codec": summary["codec"], "dp_backend": summary["dp_backend"],
         "anchor": (summary["config"]["twocircuit"]["anchor"]["correction"]
                    if summary["config"]["twocircuit"]["anchor"]["enabled"] else None),
@@ -125,7 +131,9 @@ def run(args) -> None:
         for config in configs:
             label = label_of(config, args.overrides, args.label)
             for seed in seeds:
-                tag = f"{label.replace(' ', '_').replace('/', '_')}_{data}_seed{seed}"[:120]
+                # the whole protocol in the run's folder: --resume auto only ever continues the same run
+                proto = f"{args.model}_s{args.steps}_l{args.seq_len}_pp{args.pp}_dp{args.dp}"
+                tag = f"{label.replace(' ', '_').replace('/', '_')}_{data}_seed{seed}"[:100] + "_" + proto
                 out = os.path.join(args.save_dir or args.work_dir, tag)   # <out>/hf: the model
                 argv = train_argv(args, _rel(config), seed, data, _rel(out))
                 cwd = os.getcwd()
@@ -237,7 +245,7 @@ def report(args) -> dict:
         per_seed = ", ".join(f"{d:+.3f}" for _, d in sorted(s["paired_diff"].items())) if s["paired_diff"] else "-"
         vs = "-" if s["vs_baseline"] is None else f"{(s['vs_baseline'] - 1) * 100:+.2f}%"
         lines.append(f"| `{s['label']}` | {s['domain']} | {','.join(map(str, s['seeds']))} | {s['tokens']:,} "
-                     f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'])} "
+                     f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'] or None)} "
                      f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {s['pp_bytes_per_token']:,.1f} "
                      f"| {s['pp_bytes_ratio'] or 0:.1f} | {s['pp_bytes_ratio_bf16'] or 0:.1f} |")
     bases = sorted({(s["domain"], round(s["heldout_loss_base"], 3)) for s in summary if s["heldout_loss_base"]})

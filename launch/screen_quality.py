@@ -149,7 +149,7 @@ def main():
         masker = BoundaryMasker(model, args.pp, lambda tc=tc: make_codec(tc), seed=args.seed,
                                 partition=tc.partition, gas=10 ** 9)
         masker.count = False   # a probe, not traffic
-        layer = masker.parts[1] - 1  # the first stage's last HF decoder index, for the split below
+        layer = masker.parts[1] - 1  # the HF index of stage 1's first decoder: below it is stage 0
         with torch.no_grad():  # sender statistics from training activations; the last batch is
             n = len(range(0, args.calibration_sequences, mb))  # message 0 of step 0: a refresh
             for j, i in enumerate(range(0, args.calibration_sequences, mb)):

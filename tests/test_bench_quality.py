@@ -75,3 +75,20 @@ def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     rows[-1] = row("a", 1, 2.211, 20.2)
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"
+
+
+def test_a_study_cut_short_resumes_and_its_row_is_the_whole_run(tmp_path):
+    """A run that stopped after a checkpoint continues (--resume auto) and its row reports the whole
+    run (steps, tokens) with the step it resumed from; a run of another protocol is not continued."""
+    from ds_twocircuit import train
+    results, work = tmp_path / "q.jsonl", tmp_path / "runs"
+    args = bq.parse(["--configs", "dense", "--seeds", "0", *SMALL, "--results", str(results), "--work-dir", str(work)])
+    config = os.path.join(ROOT, "ds_configs", "dense.json")
+    out = os.path.join(str(work), "dense_deepspeed-cpp_seed0_tiny_s2_l32_pp2_dp1")
+    argv = bq.train_argv(args, config, 0, "deepspeed-cpp", out)
+    argv[argv.index("--steps") + 1] = "1"
+    assert train.run([*argv, "--save-checkpoint"]) == 0               # the first step, then "cut short"
+    bq.run(args)
+    row = json.loads(results.read_text().splitlines()[-1])
+    assert row["steps"] == 2 and row["first_step"] == 1 and row["tokens"] == 2 * 2 * 4 * 32
+    assert [c["step"] for c in row["curve"]] == [0, 1, 2]   # the whole run's held-out curve

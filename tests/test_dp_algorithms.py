@@ -819,3 +819,26 @@ def test_replicas_in_sync_follows_the_diloco_schedule(fake_dp_world):
     assert not b.replicas_in_sync()
     assert build_backend(list(m.named_parameters()), fake_dp_world, {"backend": "allreduce"}).replicas_in_sync()
     assert build_backend(list(m.named_parameters()), None, {"backend": "diloco"}).replicas_in_sync()
+
+
+def test_merge_replica_states_averages_what_each_replica_owes():
+    """A resume on another DP width: Streaming DiLoCo keeps the agreed state of the first replica,
+    drops the syncs in flight (their progress is in the averaged weights) and averages the error
+    buffers, which hold each fragment's last completed round's residual, still owed."""
+    from ds_twocircuit.dp.diloco import StreamingDiLoCo
+    from ds_twocircuit.dp.powersgd import PowerSGD
+
+    def state(e, backup):
+        return {"backend": "streaming_diloco", "names": ["a", "b"], "backup": [torch.full((2,), backup)],
+                "momentum": None, "fragments": [["a"], ["b"]], "inner_steps": 4, "last_step": 5,
+                "pending": [{"fragment": 1, "launched": 5, "due": 6, "round": None}], "dirty": [False, True],
+                "compressor": {"error": {"a": torch.full((2, 2), e), "b": torch.full((2, 2), 3 * e)},
+                               "q": {"a": torch.ones(2, 1)}, "rounds": 7}}
+    merged = StreamingDiLoCo.merge_replica_states([state(1.0, 5.0), state(3.0, 5.0)])
+    assert merged["pending"] == [] and merged["dirty"] == [True, True] and merged["last_step"] == 5
+    assert torch.equal(merged["compressor"]["error"]["a"], torch.full((2, 2), 2.0))
+    assert torch.equal(merged["compressor"]["error"]["b"], torch.full((2, 2), 6.0))   # not reset
+    assert merged["compressor"]["rounds"] == 7 and torch.equal(merged["backup"][0], torch.full((2,), 5.0))
+    p = PowerSGD.merge_replica_states([{"backend": "powersgd", "compressor": {"error": {"a": torch.zeros(1)}, "q": {}, "rounds": 1}},
+                                              {"backend": "powersgd", "compressor": {"error": {"a": torch.ones(1)}, "q": {}, "rounds": 1}}])
+    assert torch.equal(p["compressor"]["error"]["a"], torch.tensor([0.5]))

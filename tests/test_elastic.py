@@ -70,7 +70,6 @@ def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend
     first sequence no replica has seen; the grown run's replicas start identical and end identical."""
     from ds_twocircuit import train
     from ds_twocircuit.engines.reference import ReferenceEngine
-    from ds_twocircuit.replicas import mean_state
     config = _config(tmp_path, backend)
     out = str(tmp_path / "run")
     _reference(config, out, 3, 2, ["--save-checkpoint"])    # DiLoCo: replicas drift after step 2's sync
@@ -80,11 +79,28 @@ def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend
     args = train.parse_args(["--engine", "reference", *_args(config, out, 5, 1, ["--resume", "auto"])])
     engine = ReferenceEngine(train.make_plan(args, 1))
     assert engine.load_checkpoint(os.path.join(out, "checkpoint")) == 3
-    mean = mean_state([r["model"] for r in saved["replicas"]])
+    a, b = saved["replicas"]
+
+    def avg(x, y):   # by hand: the replicas' mean, in float64, back to the tensor's dtype
+        return ((x.double() + y.double()) / 2).to(x.dtype)
     got = engine.replicas[0].model.state_dict()
-    assert all(torch.equal(got[k], mean[k]) for k in mean)
+    assert all(torch.equal(got[k], avg(a["model"][k], b["model"][k])) for k in got)
     if backend in ("diloco", "streaming_diloco"):   # replicas drift between syncs: the mean is new
-        assert any(not torch.equal(saved["replicas"][0]["model"][k], saved["replicas"][1]["model"][k]) for k in mean)
+        assert any(not torch.equal(a["model"][k], b["model"][k]) for k in got)
+    opt = engine.replicas[0].optimizer.state_dict()["state"]
+    for i, st in opt.items():
+        assert torch.equal(st["exp_avg_sq"], avg(a["optimizer"]["state"][i]["exp_avg_sq"],
+                                                 b["optimizer"]["state"][i]["exp_avg_sq"]))
+    dp = engine.replicas[0].backend.state_dict()
+    comp = dp.get("compressor")
+    if comp is not None:   # error feedback still owed by the replicas' mean: averaged, never reset
+        errs_a, errs_b = a["dp_backend"]["compressor"]["error"], b["dp_backend"]["compressor"]["error"]
+        assert set(comp["error"]) == set(errs_a)
+        assert all(torch.equal(comp["error"][k], avg(errs_a[k], errs_b[k])) for k in comp["error"])
+    if backend == "powersgd":   # compressed from step 0: every step left a residual
+        assert comp["error"] and any(float(v.abs().max()) > 0 for v in comp["error"].values())
+    if backend in ("diloco", "streaming_diloco"):
+        assert dp["pending"] == [] and all(torch.equal(x, y) for x, y in zip(dp["backup"], a["dp_backend"]["backup"]))
     assert engine.data_origin.step == 3 and engine.data_origin.micro_batches == 3 * 2 * GAS
     # the run goes on: 2 more steps on 1 replica, then 2 more on 2 replicas
     s1 = _reference(config, out, 5, 1, ["--resume", "auto", "--save-checkpoint"])

@@ -43,7 +43,8 @@ def test_unit_adapters_are_the_only_trainable_and_anchor_targets():
     assert len(names) == 2 * 7
     trainable = {n for n, p in stage.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    assert set(decoder_matrices(stage)) == trainable          # the spectral correction acts on A and B
+    # the spectral correction acts on A and B, named as in the Hugging Face model
+    assert set(decoder_matrices(stage)) == {f"model.layers.{n.split('.')[0]}." + n.split(".", 2)[2] for n in trainable}
     again = torch.nn.Sequential(DecoderPipe(spec, 1))         # another construction: the same A
     add_lora(again, [(again[0].layer, "model.layers.1.")], LoRAConfig(r=4), 0)
     a1 = dict(stage[1].layer.named_parameters())["self_attn.q_proj.lora_A.default.weight"]

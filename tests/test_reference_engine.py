@@ -144,3 +144,89 @@ def test_reference_summary_is_the_pipelines(tmp_path):
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"))
     assert m.config.tie_word_embeddings is False
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("correction", ["spectral", "delayed_ef"])
+def test_the_anchor_circuit_equals_the_in_process_anchor(tmp_path, correction):
+    """pp 2 x dp 2 with the anchor circuit (Z = 1 on 2 more ranks, waiting for a late anchor so the run
+    is reproducible) equals the reference engine's in-process anchor: the same gradients at the same
+    steps (through the DP replicas' fence), the same corrected training, the same anchor bytes."""
+    from launch_helpers import torchrun
+    anchor = {"enabled": True, "every": 2, "correction": correction, "max_wait_s": 120.0,
+              "spectral": {"tau_mode": "relative", "tau": 0.05}}
+    cfg = json.loads(open(_config(tmp_path, "m95", anchor=anchor)).read())
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05}}
+    cfg["gradient_clipping"] = 0.0
+    path = tmp_path / "ap.json"
+    path.write_text(json.dumps(cfg))
+    pipe = str(tmp_path / "pipe")
+    common = ["--model", "tiny", "--data", "deepspeed-cpp", "--deepspeed", str(path), "--steps", "8",
+              "--seq-len", str(SEQ), "--pp", "2", "--eval-sequences", "0"]
+    torchrun(6, [*common, "--dp", "2", "--anchor-replicas", "1", "--output-dir", pipe])
+    ref, ref_loss, ref_out = _run(tmp_path, str(path), "ref", steps=8, extra=["--dp", "2", "--eval-sequences", "0"])
+    p = read_summary(pipe)
+    assert p["anchor"]["updates"] == ref["anchor"]["updates"] >= 2
+    assert p["anchor"]["mean_staleness"] == ref["anchor"]["mean_staleness"] == 4.0   # 2 x every: the fence
+    # gradients read by every replica and the fence's votes, exactly; the snapshots as weights in one
+    # process and as DeepSpeed's layer files (pickle framing on top: ~36 kB a snapshot of the tiny model)
+    assert 0 <= p["wire_bytes"]["anchor"] - ref["wire_bytes"]["anchor"] < 0.05 * p["wire_bytes"]["anchor"]
+    assert [m["loss"] for m in read_metrics(pipe)] == pytest.approx(ref_loss, rel=1e-5)
+    w, r = read_weights(os.path.join(pipe, "hf")), read_weights(os.path.join(ref_out, "hf"))
+    assert max(float((w[k] - r[k]).abs().max()) for k in w) < 1e-4
+
+
+def test_simulated_replicas_fail_loudly_and_recover():
+    """A replica that raises stops the step with its error (the others do not hang) and the next step
+    runs; replicas whose backends issue different collectives fail with a message, not a hang."""
+    import threading
+    from ds_twocircuit.engines.reference import InProcessGroup, run_replicas
+    group = InProcessGroup(2)
+
+    def sums(r):
+        t = torch.tensor([float(r + 1)])
+        group.comm(r).all_reduce_sum(t)
+        return float(t)
+    assert run_replicas(group, sums, 2) == [3.0, 3.0]
+
+    def one_fails(r):
+        if r == 1:
+            raise ValueError("replica 1 broke")
+        return sums(r)
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(ValueError, run_replicas, group, one_fails, 2)))
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and "replica 1 broke" in str(done[0].value)
+    assert run_replicas(group, sums, 2) == [3.0, 3.0]          # the group works again
+
+    def mismatched(r):
+        return sums(r) if r == 0 else 0.0                       # replica 1 issues no collective
+    t = threading.Thread(target=lambda: done.append(pytest.raises(RuntimeError, run_replicas, group, mismatched, 2)))
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and "issued different collectives" in str(done[1].value)
+
+
+def test_dense_steps_and_evaluation_use_the_wire_dtype(tmp_path):
+    """Clean steps and dense evaluation send the boundary through a dense codec in the run's wire dtype
+    (bf16: half the fp32 bytes), as the pipeline engine does; the bf16 round trip changes the loss."""
+    fp32, fp32_loss, _ = _run(tmp_path, _config(tmp_path, clean_every=1), "fp32", steps=2)
+    bf16, bf16_loss, _ = _run(tmp_path, _config(tmp_path, clean_every=1, wire_dtype="bf16"), "bf16", steps=2)
+    H, tokens = _hidden(), 2 * MB * GAS * SEQ
+    assert fp32["wire_bytes"]["pp_activations"] == tokens * H * 4
+    assert bf16["wire_bytes"]["pp_activations"] == bf16["wire_bytes"]["pp_gradients"] == tokens * H * 2
+    assert bf16_loss != fp32_loss and bf16["heldout_loss"] != fp32["heldout_loss"]
+    assert bf16["eval_wire_bytes"] > 0
+
+
+def test_set_refuses_what_the_optimizer_does_not_take(tmp_path):
+    from ds_twocircuit import train
+    config = _config(tmp_path, "dense")
+    for bad, needle in ((["--set", "optimizer.params.lrr=1"], "optimizer.params.lrr is not an argument"),
+                        (["--set", "optimizer.parms.lr=1"], "allowed keys under optimizer: params, type"),
+                        (["--set", "twocircuit.codecs=1"], "unknown key twocircuit.codecs"),
+                        (["--set", "lr"], "expected KEY=VALUE")):
+        args = train.parse_args(["--engine", "reference", "--model", "tiny", "--deepspeed", config, *bad])
+        with pytest.raises(Exception, match=needle):
+            train.make_plan(args, 1)

@@ -3,8 +3,8 @@
 Fast side (:class:`AnchorLink`): every K steps the fast circuit writes a snapshot of its weights
 (DeepSpeed's per-layer files, the same the DeepSpeed checkpoint holds) plus the identity of the
 batch it trains on at that step, commits it atomically to a :class:`SnapshotStore`, and at every
-step picks up, without ever waiting, the newest anchor gradients of its own stage and hands them
-to :class:`SpectralCorrection`.
+step picks up, without waiting (unless ``anchor.max_wait_s`` allows it), the newest anchor
+gradients of its own stage and hands them to the correction (spectral or delayed_ef).
 
 Anchor side (:func:`run_anchor`): Z unmasked pipeline replicas in their own process-group world
 (a DeepSpeed pipeline topology must span its whole world), same partitioning as the fast circuit,
@@ -13,9 +13,10 @@ snapshot, recompute its batch (the data pipeline is a pure function of the step)
 forward/backward, average over the Z replicas and publish each stage's gradients of the 2-D
 decoder matrices.
 
-Invariant: the fast circuit never blocks on the anchor. It only reads committed files; a slow,
-crashed or absent anchor just means no new anchor state (training goes on with the last one, and
-the log says so). The launched anchor rank is a supervisor that runs the real worker as a child
+Invariant: the fast circuit never blocks on the anchor (by default; ``anchor.max_wait_s`` > 0 bounds a
+wait for the scheduled gradients, which makes runs reproducible while the anchor keeps up). It only
+reads committed files; a slow, crashed or absent anchor just means no new anchor state (training
+goes on with the last one, and the log says so). The launched anchor rank is a supervisor that runs the real worker as a child
 and always exits 0, so a crashed or killed anchor never makes the launcher tear down the fast
 circuit.
 """
@@ -69,15 +70,16 @@ def layer_file_index(name: str) -> int:
 
 
 def decoder_matrices(module) -> dict[str, torch.nn.Parameter]:
-    """The 2-D weights of the decoder layers of a pipeline stage, by parameter name (attention
-    and MLP projections; not norms, biases, embeddings or the head)."""
+    """The 2-D weights of the decoder layers of a pipeline stage (attention and MLP projections; not
+    norms, biases, embeddings or the head) by their Hugging Face names, as the single-process engine
+    names them (the correction seeds its randomized SVD by name)."""
     from ..models.layers import DecoderPipe
     out = {}
-    for mname, m in module.named_modules():
+    for m in module.modules():
         if isinstance(m, DecoderPipe):
             for pname, p in m.layer.named_parameters():
                 if p.dim() == 2 and p.requires_grad:
-                    out[f"{mname}.layer.{pname}"] = p
+                    out[f"model.layers.{m.layer_idx}.{pname}"] = p
     return out
 
 
@@ -93,12 +95,12 @@ def attach_correction(optimizer, module, plan):
     return build_correction(optimizer, decoder_matrices(module), plan.tc.anchor, plan.args.seed)
 
 
-def pick_snapshot(store: SnapshotStore, run_id, last_step: int, bad: set, reader_id: str):
+def pick_snapshot(store: SnapshotStore, run_id, last_step: int, bad: set, reader_id: str, in_order: bool = False):
     """The anchor root's choice: a *lease* on the newest committed snapshot of run ``run_id`` newer
-    than ``last_step`` and not known bad, or None. The lease keeps retention from deleting the
+    than ``last_step`` (``in_order``: the oldest such) and not known bad, or None. The lease keeps retention from deleting the
     snapshot while every anchor rank loads it; release it after. ``bad`` holds (tag, committed_at)
     pairs, so a tag committed again (e.g. after a resume) is a new snapshot, not a skipped one."""
-    lease = store.acquire_latest_snapshot(reader_id)
+    lease = store.acquire_latest_snapshot(reader_id, oldest_after=last_step if in_order else None)
     if lease is None:
         return None
     info = lease.info
@@ -122,7 +124,8 @@ def commit_snapshot_safely(store: SnapshotStore, tag: str, step: int, batch: dic
 
 
 class AnchorLink:
-    """Fast-circuit side: publish snapshots, consume anchor gradients, never wait."""
+    """Fast-circuit side: publish snapshots, consume anchor gradients, never wait (beyond
+    ``anchor.max_wait_s``)."""
 
     def __init__(self, engine, plan, world, origin=None):
         from ..data import StreamOrigin
@@ -359,7 +362,10 @@ def run_anchor(plan, world) -> int:
                 if run_id is not None:
                     atomic_write_text(os.path.join(store.root, UP), run_id)
             done = run_id is not None and _read(os.path.join(store.root, DONE)) == run_id
-            lease = pick_snapshot(store, run_id, last_step, bad, reader_id) if run_id is not None else None
+            # the fast circuit waits for each scheduled snapshot (anchor.max_wait_s): serve them all, in
+            # order; else the newest (the least stale), skipping what the anchor could not keep up with
+            lease = (pick_snapshot(store, run_id, last_step, bad, reader_id, in_order=tc.anchor.max_wait_s > 0)
+                     if run_id is not None else None)
             if lease is not None:
                 info = lease.info
                 decision = [("work", info.tag, info.step, run_id, info.committed_at, info.batch_id)]

@@ -133,13 +133,20 @@ def load_training_state(engine, ckpt_dir: str):
     if meta.get("micro_batch_size", mb) != mb:
         raise ConfigError(f"--resume: checkpoint trained micro-batches of {meta['micro_batch_size']} sequences, "
                           f"this run {mb}; resume with the same --micro-batch-size")
+    if meta.get("engine", "pipeline") != "pipeline":
+        raise ConfigError(f"--resume {ckpt_dir!r}: a checkpoint of the {meta['engine']} engine; resume it with "
+                          f"--engine {meta['engine']}")
     old_dp = meta["dp"]
     same_dp = old_dp == engine.dp_world_size
+    if not same_dp and (engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled()):
+        raise ConfigError(f"--resume on dp={engine.dp_world_size} from a dp={old_dp} checkpoint needs "
+                          "zero_optimization.stage = 0 and fp32 (under ZeRO and DeepSpeed's mixed-precision "
+                          "optimizers each replica holds a shard of the optimizer state, which cannot be merged); "
+                          f"resume with --dp {old_dp}")
     engine.load_checkpoint(root, tag=tag, load_optimizer_states=False, load_lr_scheduler_states=True)
     if same_dp:
         state = torch.load(_rank_file(root, tag, engine.stage_id, engine.dp_rank), map_location="cpu",
                            weights_only=False)
-        origin = StreamOrigin.from_dict(meta.get("origin"))
     else:
         files = [_rank_file(root, tag, engine.stage_id, d) for d in range(old_dp)]
         missing = [f for f in files if not os.path.isfile(f)]
@@ -152,8 +159,9 @@ def load_training_state(engine, ckpt_dir: str):
         from ..dp.registry import get_backend
         state = merge_rank_states([torch.load(f, map_location="cpu", weights_only=False) for f in files],
                                   get_backend(backend_name), get_codec(engine.tc.mode))
-        origin = StreamOrigin(meta["global_steps"], meta.get("consumed_micro_batches",
-                                                             meta["global_steps"] * old_dp * engine.micro_batches))
+    # the stream goes on at the first unseen sequence, whatever the new width or --grad-accum
+    origin = StreamOrigin(meta["global_steps"], meta.get("consumed_micro_batches",
+                                                         meta["global_steps"] * old_dp * engine.micro_batches))
     engine.optimizer.load_state_dict(state["optimizer"])
     if state["module"] is not None:
         engine.module.load_state_dict(state["module"])

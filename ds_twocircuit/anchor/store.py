@@ -315,13 +315,16 @@ class SnapshotStore:
         to load it (retention may delete an unleased snapshot at any time)."""
         return self._latest_valid(exclude=set())
 
-    def acquire_latest_snapshot(self, reader_id: Optional[str] = None) -> Optional[SnapshotLease]:
-        """Lease the newest complete snapshot (None if there is none). Release it after loading."""
+    def acquire_latest_snapshot(self, reader_id: Optional[str] = None,
+                                oldest_after: Optional[int] = None) -> Optional[SnapshotLease]:
+        """Lease the newest complete snapshot (None if there is none). Release it after loading.
+        ``oldest_after``: the oldest complete one with a step above it instead (a reader that must
+        see every snapshot in order)."""
         reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}"
         _check_tag(reader_id)
         exclude: set[str] = set()
         while True:
-            info = self._latest_valid(exclude)
+            info = self._latest_valid(exclude, oldest_after)
             if info is None:
                 return None
             lease_path = self.leases_dir / info.tag / f"{reader_id}.json"
@@ -425,13 +428,13 @@ class SnapshotStore:
             return None
         return info
 
-    def _latest_valid(self, exclude: set[str]) -> Optional[SnapshotInfo]:
+    def _latest_valid(self, exclude: set[str], oldest_after: Optional[int] = None) -> Optional[SnapshotInfo]:
         # The markers are the source of truth; LATEST is only a hint for people and tools (a
         # writer that dies between the two leaves it one commit behind).
         records = sorted(self._committed_records(), key=lambda r: (r[1]["step"], r[1]["committed_at"]),
-                         reverse=True)
+                         reverse=oldest_after is None)
         for tag_dir, record in records:
-            if tag_dir.name in exclude:
+            if tag_dir.name in exclude or (oldest_after is not None and record["step"] <= oldest_after):
                 continue
             info = self._validate(tag_dir, record)
             if info is not None:

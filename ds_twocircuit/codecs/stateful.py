@@ -60,6 +60,9 @@ class RunningMoments:
 
     def add(self, flat: torch.Tensor) -> None:
         f = flat.detach().to(torch.float64)
+        if self.s1 is not None and self.s1.device != f.device:   # loaded from a checkpoint on the CPU
+            self.s1 = self.s1.to(f.device)
+            self.s2 = self.s2.to(f.device) if self.s2 is not None else None
         if self.s1 is None:
             self.s1 = torch.zeros(f.shape[1], dtype=torch.float64, device=f.device)
             if self.second:
@@ -106,12 +109,16 @@ class StatefulCodec(Codec):
 
     @classmethod
     def merge_states(cls, states: list[dict]) -> dict:
-        """The running statistics summed (everything every replica's sender measured); the state on
-        the wire (mean, basis, ...) from the first replica's link, so both new ends hold the same
-        until the next refresh fits one on the merged statistics."""
-        from ..replicas import sum_state
+        """The running statistics pooled (count, sum and sum of squares each averaged: the same mean
+        and covariance as all replicas' activations together, and a later merge weighs every replica
+        alike again); the state on the wire (mean, basis, ...) from the first replica's link, so both
+        new ends hold the same until the next refresh fits one on the pooled statistics."""
+        from ..replicas import mean_state
         moments = [s["moments"] for s in states if s["moments"]["n"]]
-        return {**states[0], "moments": sum_state(moments) if moments else states[0]["moments"]}
+        if not moments:
+            return states[0]
+        pooled = {**mean_state(moments), "n": sum(m["n"] for m in moments) / len(moments)}
+        return {**states[0], "moments": pooled}
 
     def load_state_dict(self, d: dict) -> None:
         self.moments.load_state_dict(d["moments"])

@@ -308,8 +308,12 @@ class DPBackend:
             raise ValueError(f"state is for twocircuit.dp.backend {sd.get('backend')!r}, "
                              f"this backend is {self.backend_name!r}")
         if list(sd.get("names", [])) != self.names:
+            saved = list(sd.get("names", []))
+            hint = (f" (e.g. {saved[0]!r} saved, {self.names[0]!r} here: checkpoints written before the DP "
+                    "backends keyed a pipeline stage's parameters by their Hugging Face names cannot be resumed)"
+                    if saved and self.names and len(saved) == len(self.names) else "")
             raise ValueError("state was saved for a different parameter list "
-                             f"({len(sd.get('names', []))} vs {len(self.names)} parameters)")
+                             f"({len(saved)} vs {len(self.names)} parameters){hint}")
 
     def pop_step_stats(self) -> dict:
         """Stats since the last call: bytes_sent, collectives, comm_s, hidden_comm_s, + extras."""

@@ -364,15 +364,14 @@ class DiLoCo(DPBackend):
         """Backups, outer momentum and the schedule are agreed (from the first replica). Syncs in
         flight are dropped: the merged local weights (the replicas' average, which the checkpoint
         loader takes) already hold their progress, and the next sync of those fragments sends it
-        again; so their error-feedback buffers are reset (else the residual of the dropped round would
-        be sent twice) and the others averaged. Every fragment counts as drifted (the end-of-run
-        average stays exact)."""
+        again. The error-feedback buffers hold the residual of each fragment's last completed round
+        (a round writes its buffer when it finishes, not when it is launched), still owed: averaged.
+        Every fragment counts as drifted (the end-of-run average stays exact)."""
         first = states[0]
-        dropped = {n for rec in first["pending"] for n in first["fragments"][rec["fragment"]]}
         comp = None
         if first["compressor"] is not None:
             from .powersgd import merge_compressor_states
-            comp = merge_compressor_states([s["compressor"] for s in states], drop=dropped)
+            comp = merge_compressor_states([s["compressor"] for s in states])
         return {**first, "compressor": comp, "pending": [], "dirty": [True] * len(first["fragments"])}
 
     def load_state_dict(self, sd: dict) -> None:

@@ -155,13 +155,11 @@ class PowerSGDCompressor:
         self.rounds = int(sd["rounds"])
 
 
-def merge_compressor_states(states: list[dict], drop=()) -> dict:
-    """PowerSGDCompressor states of several replicas as one: error buffers averaged (``drop``: keys
-    whose error is reset instead), Q and the round counter from the first."""
+def merge_compressor_states(states: list[dict]) -> dict:
+    """PowerSGDCompressor states of several replicas as one: error buffers averaged (the residual the
+    replicas' mean still owes), Q and the round counter from the first (the same on every replica)."""
     from ..replicas import mean_state
-    error = {k: (torch.zeros_like(v) if k in drop else mean_state([s["error"][k] for s in states]))
-             for k, v in states[0]["error"].items()}
-    return {**states[0], "error": error}
+    return {**states[0], "error": {k: mean_state([s["error"][k] for s in states]) for k in states[0]["error"]}}
 
 
 class PowerSGDRound:

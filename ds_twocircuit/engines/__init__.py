@@ -32,6 +32,7 @@ def build_optimizer(plan, params):
     import torch
     name, kw = plan.optimizer
     cls = getattr(torch.optim, name)
-    if name in ("Adam", "AdamW") and torch.cuda.is_available():
-        kw = {**kw, "fused": True}
+    params = list(params)
+    if name in ("Adam", "AdamW") and params and all(p.is_cuda for p in params):
+        kw = {**kw, "fused": True}     # by where the parameters are, not by what the host has
     return cls(params, **kw)

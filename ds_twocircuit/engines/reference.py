@@ -74,8 +74,18 @@ class InProcessGroup:
 
     def end(self, rank: int) -> None:
         with self._cond:
+            waiting = [r for r, t in enumerate(self._slots) if t is not None]
+            if waiting:   # they would wait for a collective this replica never issues
+                self._broken = True
+                self._cond.notify_all()
+                raise RuntimeError(f"replica {rank} finished its step while replica(s) {waiting} wait in a "
+                                   "collective: the replicas' DP backends issued different collectives")
             self._turn = rank + 1
             self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self._turn, self._broken, self._slots = 0, False, [None] * self.size
 
     def abort(self) -> None:
         with self._cond:
@@ -126,16 +136,18 @@ def run_replicas(group: InProcessGroup | None, fn, n: int) -> list:
             errors[r] = e
             group.abort()
     threads = [threading.Thread(target=work, args=(r,), name=f"replica{r}") for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        group.reset()   # ready for the next step, whatever happened in this one
     first = next((e for e in errors if e is not None and not (isinstance(e, RuntimeError)
                                                               and "another simulated replica" in str(e))), None)
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
-    group._turn, group._broken = 0, False   # ready for the next step
     return out
 
 
@@ -169,7 +181,7 @@ class ReferenceEngine:
     kind = "reference"
 
     def __init__(self, plan):
-        from ..codecs import make_codec
+        from ..codecs import DENSE, build_codec, make_codec
         from ..dp.registry import get_backend
         from ..reference import BoundaryMasker
         from . import build_optimizer
@@ -193,7 +205,8 @@ class ReferenceEngine:
         models = [base] + [copy.deepcopy(base) for _ in range(plan.dp - 1)]
         for r, model in enumerate(models):
             masker = BoundaryMasker(model, plan.pp, lambda: make_codec(tc), seed=self.mask_seed,
-                                    parts=plan.parts, gas=plan.gas)
+                                    parts=plan.parts, gas=plan.gas,
+                                    dense_factory=lambda: build_codec(DENSE, tc.wire_dtype))
             trainable = [p for p in model.parameters() if p.requires_grad]
             opt = build_optimizer(plan, trainable)
             correction = None
@@ -223,9 +236,10 @@ class ReferenceEngine:
     # -------------------------------------------------------------- what the trainer reads
     @property
     def codec(self):
-        return self.replicas[0].masker.pair(0)[0] if self.plan.pp > 1 else self._dense_codec()
+        return self.replicas[0].masker.pair(0)[0] if self.plan.pp > 1 else self._unplaced_codec()
 
-    def _dense_codec(self):
+    def _unplaced_codec(self):
+        """pp = 1 has no boundary: the config's codec, for what the summary reports about it."""
         from ..codecs import make_codec
         if not hasattr(self, "_codec_pp1"):
             self._codec_pp1 = make_codec(self.plan.tc)
@@ -261,8 +275,9 @@ class ReferenceEngine:
 
         def replica_step(r: int) -> tuple[float, dict]:
             rep = self.replicas[r]
+            rep.model.train()
             rep.optimizer.zero_grad(set_to_none=True)
-            rep.masker.enabled = not clean
+            rep.masker.dense = clean      # a clean step: dense boundaries, counted as the engine sends them
             total = 0.0
             for m in range(gas):
                 x, y = next(rep.stream)
@@ -270,7 +285,7 @@ class ReferenceEngine:
                 loss = causal_lm_loss(rep.model(input_ids=x).logits, y)
                 (loss / gas).backward()
                 total += float(loss.detach())
-            rep.masker.enabled = True
+            rep.masker.dense = False
             t0 = time.perf_counter()
             rep.backend.reduce_gradients(step)
             dp_s = time.perf_counter() - t0
@@ -281,8 +296,6 @@ class ReferenceEngine:
             rep.backend.after_optimizer_step(step)
             dp_s += time.perf_counter() - t0
             return total / gas, {"dp_s": dp_s, **rep.backend.pop_step_stats()}
-        if clean:
-            self._count_dense_step()
         results = run_replicas(self.group, replica_step, len(self.replicas))
         self.global_steps += 1
         self.timing["dp_s"] += max(r[1]["dp_s"] for r in results)
@@ -291,16 +304,6 @@ class ReferenceEngine:
             self.step_stats[k] = sum(r[1].get(k, 0.0) for r in results)
         self.step_stats["step"] = step
         return sum(r[0] for r in results) / len(results)
-
-    def _count_dense_step(self) -> None:
-        """A clean step's boundaries are dense and uncounted by the masker: count what the pipeline's
-        dense codec would send (activations and gradients, every boundary, every micro-batch)."""
-        p = self.plan
-        tokens = p.mb * p.gas * p.args.seq_len * p.dp * (p.pp - 1)
-        from ..codecs import DENSE, build_codec
-        act, grad = build_codec(DENSE, p.tc.wire_dtype).payload_bytes(p.spec.hidden, 4)   # fp32 activations
-        wire.count("pp_activations", tokens * act)
-        wire.count("pp_gradients", tokens * grad)
 
     @torch.no_grad()
     def eval_losses(self, seqs, calls: int, dense: bool, bar=None) -> list[float]:
@@ -312,12 +315,13 @@ class ReferenceEngine:
         for _ in range(calls):
             total = 0.0
             for r, rep in enumerate(self.replicas):
-                rep.masker.enabled = not dense
+                rep.model.eval()
+                rep.masker.dense = dense   # dense evaluation: uncoded, in the wire dtype, counted as pp_eval
                 for m in range(p.gas):
                     x, y = next(streams[r])
                     rep.masker.set_message(EVAL_STEP_OFFSET + self.global_steps, r * p.gas + m)
                     total += float(causal_lm_loss(rep.model(input_ids=x).logits, y))
-                rep.masker.enabled = True
+                rep.masker.dense = False
             out.append(total / (p.dp * p.gas))
             if bar is not None:
                 bar.update(1)
@@ -370,13 +374,18 @@ class ReferenceEngine:
         if meta.get("micro_batch_size", self.plan.mb) != self.plan.mb:
             raise ConfigError(f"--resume: checkpoint trained micro-batches of {meta['micro_batch_size']} sequences, "
                               f"this run {self.plan.mb}; resume with the same --micro-batch-size")
+        for key, mine in (("engine", self.kind), ("pp", self.plan.pp), ("backend", self.plan.tc.dp.backend)):
+            if meta.get(key, mine) != mine:
+                raise ConfigError(f"--resume {path!r}: the checkpoint's {key} is {meta[key]!r}, this run's {mine!r}; "
+                                  "resume with the same " + {"engine": "--engine", "pp": "--pp",
+                                                             "backend": "twocircuit.dp.backend"}[key])
         replicas = state["replicas"]
         if len(replicas) != len(self.replicas):   # another DP width: every new replica loads the merge
             merged = self._merge(replicas)   # a copy each: load_state_dict may keep the tensors it is given
             replicas = [copy.deepcopy(merged) for _ in self.replicas]
-            self.data_origin = StreamOrigin(meta["global_steps"], meta["consumed_micro_batches"])
-        else:
-            self.data_origin = StreamOrigin.from_dict(meta.get("origin"))
+        # the stream goes on at the first unseen sequence, whatever the new width or --grad-accum
+        consumed = meta.get("consumed_micro_batches", meta["global_steps"] * len(state["replicas"]) * self.plan.gas)
+        self.data_origin = StreamOrigin(meta["global_steps"], consumed)
         for rep, st in zip(self.replicas, replicas):
             rep.model.load_state_dict(st["model"])
             rep.optimizer.load_state_dict(st["optimizer"])
@@ -444,68 +453,102 @@ class ReferenceEngine:
 class InProcessAnchor:
     """The anchor circuit in one process (see the module docstring); the Trainer drives it like the
     pipeline's ``AnchorLink``: ``maybe_publish(step)`` before the step, ``poll(step)``, ``step_stats``,
-    ``finish``. Bytes: every replica counts the anchor gradients it receives (as each fast rank does
-    when it reads them from the store)."""
+    ``finish``. It keeps the pipeline's schedule when the anchor keeps up: Z anchor replicas
+    (``anchor.replicas``) average the dense gradients of fast replicas z mod dp's batches; with one fast
+    replica, snapshot s's gradients are used at s + every (``scheduled``) or at once (``arrival``);
+    with several, the replicas agree through the anchor fence (``anchor/fence.py``): gradients read at
+    one fence step are used at the next, every steps later, and each fence's vote is counted. Bytes:
+    every replica counts the anchor gradients it reads (as each fast rank does from the store), and each
+    snapshot counts its weights' bytes (the pipeline counts its files', a little more)."""
+
+    FENCE_VOTE_BYTES = 8 * 4          # AnchorFence's default 8 slots of int32 flags
 
     def __init__(self, engine: ReferenceEngine):
         self.engine = engine
         a = engine.plan.tc.anchor
-        self.every, self.scheduled = a.every, a.consume == "scheduled"
+        self.every, self.scheduled, self.z = a.every, a.consume == "scheduled", max(1, a.replicas)
         self.clip = engine.clip if a.correction == "delayed_ef" else 0.0
         self.pending: dict[int, dict] = {}
-        self.updates, self.staleness = 0, []
+        self.voted = None                 # (source step, gradients) agreed at the last fence (dp > 1)
+        self.updates, self.staleness, self.last_source = 0, [], None
         resumed = getattr(engine, "_resumed_anchor", None)
         if resumed:
-            self.pending = resumed["pending"]
+            self.pending, self.voted = resumed["pending"], resumed.get("voted")
             self.updates, self.staleness = resumed["updates"], list(resumed["staleness"])
+            self.last_source = resumed.get("last_source")
         engine._anchor = self
 
     def state_dict(self) -> dict:
-        return {"pending": self.pending, "updates": self.updates, "staleness": list(self.staleness)}
+        return {"pending": self.pending, "voted": self.voted, "updates": self.updates,
+                "staleness": list(self.staleness), "last_source": self.last_source}
 
     def maybe_publish(self, step: int) -> None:
         if step % self.every:
             return
         eng, p = self.engine, self.engine.plan
-        rep = eng.replicas[0]
+        rep = eng.replicas[0]             # the snapshot: the first replica's weights
         from ..data import MicroBatchStream
-        stream = MicroBatchStream(eng.train_seqs, p.mb, p.gas, p.dp, 0, start_step=step, origin=eng.data_origin)
-        grads = {n: q.grad for n, q in rep.model.named_parameters()}
-        saved = {n: (g.clone() if g is not None else None) for n, g in grads.items()}
+        saved = {n: (q.grad.clone() if q.grad is not None else None) for n, q in rep.model.named_parameters()}
         rep.model.zero_grad(set_to_none=True)
+        rep.model.train()
         rep.masker.enabled = False
         try:
-            for _ in range(p.gas):
-                x, y = next(stream)
-                (causal_lm_loss(rep.model(input_ids=x).logits, y) / p.gas).backward()
+            for z in range(self.z):       # anchor replica z: fast replica z mod dp's micro-batches
+                stream = MicroBatchStream(eng.train_seqs, p.mb, p.gas, p.dp, z % p.dp, start_step=step,
+                                          origin=eng.data_origin)
+                for _ in range(p.gas):
+                    x, y = next(stream)
+                    (causal_lm_loss(rep.model(input_ids=x).logits, y) / (p.gas * self.z)).backward()
         finally:
             rep.masker.enabled = True
-        if self.clip:
+        if self.clip:   # after the Z replicas' average, as the anchor circuit clips
             torch.nn.utils.clip_grad_norm_(rep.params, self.clip)
         targets = hf_decoder_matrices(rep.model)
         self.pending[step] = {n: t.grad.detach().clone() for n, t in targets.items() if t.grad is not None}
         for n, q in rep.model.named_parameters():
             q.grad = saved[n]
+        # the snapshot crosses to the anchor circuit: its weights (the pipeline counts its files' bytes)
+        wire.count("anchor", sum(wire.tensor_bytes(t) for t in rep.model.state_dict().values()))
+
+    def _read(self, step: int):
+        """The newest gradients a fast replica may read now (counted for every replica), or None."""
+        latest = step - self.every if self.scheduled else step
+        ready = [s for s in self.pending if s <= latest and (self.last_source is None or s > self.last_source)]
+        if not ready:
+            return None
+        source = max(ready)
+        grads = self.pending.pop(source)
+        for older in [s for s in self.pending if s < source]:
+            del self.pending[older]
+        nbytes = sum(wire.tensor_bytes(g) for g in grads.values())
+        for _ in self.engine.replicas:
+            wire.count("anchor", nbytes)
+        return source, grads
 
     def poll(self, step: int) -> None:
-        latest = step - self.every if self.scheduled else step
-        ready = [s for s in self.pending if s <= latest]
-        corrections = [rep.correction for rep in self.engine.replicas]
-        if ready:
-            source = max(ready)
-            grads = self.pending.pop(source)
-            for s in ready:
-                self.pending.pop(s, None)
-            nbytes = sum(wire.tensor_bytes(g) for g in grads.values())
-            for c in corrections:
-                if c is not None:
-                    wire.count("anchor", nbytes)
-                    c.submit_anchor_gradients(grads, source)
+        replicas = self.engine.replicas
+        use = None
+        if len(replicas) == 1:
+            use = self._read(step)
+        elif step % self.every == 0:      # a fence step: use the last vote, read, vote
+            use, self.voted = self.voted, None
+            got = self._read(step)
+            if got is not None:
+                self.voted = got
+            p = self.engine.plan
+            for _ in range(p.pp * p.dp):  # every rank's vote, as AnchorLink counts it
+                wire.count("anchor", wire.ring_allreduce_bytes(self.FENCE_VOTE_BYTES, p.dp))
+        if use is not None:
+            source, grads = use
+            for rep in replicas:
+                if rep.correction is not None:
+                    rep.correction.submit_anchor_gradients(grads, source)
             self.updates += 1
             self.staleness.append(step - source)
-        for c in corrections:
-            if c is not None:
-                c.current_step = step
+            self.last_source = source
+        for rep in replicas:
+            if rep.correction is not None:
+                rep.correction.current_step = step
 
     def step_stats(self) -> dict:
         s = {"anchor.updates": self.updates, "anchor.wait_s": 0.0}
