@@ -146,6 +146,7 @@ class PacedWork:
         import torch
         self._work, self._link, self._done_at = work, link, done_at
         self._fut = torch.futures.Future()
+        self._lock = threading.Lock()      # the timer thread and wait() may both finish it
         work.get_future().then(self._inner_done)
 
     def _inner_done(self, fut):  # the comm thread, when the collective itself completes
@@ -158,8 +159,9 @@ class PacedWork:
             self._finish()
 
     def _finish(self):
-        if not self._fut.done():
-            self._fut.set_result(None)
+        with self._lock:
+            if not self._fut.done():
+                self._fut.set_result(None)
 
     def wait(self) -> bool:
         self._work.wait()

@@ -58,3 +58,15 @@ def read_weights(hf_dir) -> dict:
     """Every tensor of a run's hf/ folder (one shard per pipeline stage, or one file)."""
     from ds_twocircuit.export import read_state
     return read_state(hf_dir)
+
+
+def hub_offline(monkeypatch) -> None:
+    """No Hugging Face hub for this test: the environment variables, and the libraries' own flags
+    (read when they are imported, which an earlier test may have done; without them the hub client
+    retries with back-off for minutes on a machine with no network)."""
+    import datasets
+    import huggingface_hub.constants
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

@@ -163,8 +163,8 @@ def test_unreadable_checkpoints(capsys, tmp_path):
 
 
 def test_all_tasks_failing_exits_non_zero(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from launch_helpers import hub_offline
+    hub_offline(monkeypatch)
     code, out, err = _run(capsys, "--checkpoint", "tiny", "--tasks", "gsm8k,mbpp", "--out", str(tmp_path / "r.json"),
                           *FAST)
     assert code == EXIT_TASKS_FAILED

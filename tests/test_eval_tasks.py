@@ -294,14 +294,8 @@ def test_spider_without_databases_says_what_to_do(tokenizer, monkeypatch):
 
 # ------------------------------------------------------------------ hub access
 def test_hub_tasks_fail_with_one_clear_line_offline(tokenizer, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # the variables are read when the libraries are imported, which an earlier test may have done:
-    # without these the hub client retries with back-off for minutes on a machine with no network
-    import datasets
-    import huggingface_hub.constants
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    from launch_helpers import hub_offline
+    hub_offline(monkeypatch)
     ctx = Scripted(tokenizer)
     ctx.task_data = {}
     for name in ("gsm8k", "medqa", "mbpp"):
