@@ -36,10 +36,10 @@ def test_readme_main_job_adapts_the_default_model(tmp_path):
     assert launch[:4] == ["deepspeed", "--num_gpus", "2", "launch/train.py"]
     out = str(tmp_path / "lowrank")
     # deepspeed_launch supplies the launcher and the script; pass the README's own arguments. The
-    # training is the README's; the held-out loss is scored on the first 128 of its 512 windows (a
-    # quarter of the evaluation, most of the command's time on 2 cores; the standard error doubles,
-    # ~0.05, far below the improvement measured in docs/benchmarks/default_run.md, 0.283)
-    deepspeed_launch(2, launch[4:] + ["--output-dir", out, "--eval-sequences", "128"], timeout=2700)
+    # training is the README's; the held-out loss is scored on the first 64 of its 512 windows (an
+    # eighth of the evaluation, which was most of the command's time on 2 cores; the standard error
+    # grows to ~0.07, a quarter of the improvement measured in docs/benchmarks/default_run.md, 0.283)
+    deepspeed_launch(2, launch[4:] + ["--output-dir", out, "--eval-sequences", "64"], timeout=2700)
     s = read_summary(out)
     assert s["config"]["model"] == "smollm2-135m" and s["mesh"] == {**s["mesh"], "pp": 2, "dp": 1}
     assert s["steps"] == 30 and s["tokens"] == 30 * 8 * 128
@@ -49,12 +49,12 @@ def test_readme_main_job_adapts_the_default_model(tmp_path):
     d = s["data"]
     assert d["spec"] == "sympy" and d["fingerprint"] == PINNED["sympy"].fingerprint
     assert d["documents"] == 1532 and d["train_tokens"] > 5_000_000 and d["heldout_tokens"] > 64 * 1024
-    assert d["heldout_scored_tokens"] == 128 * 128
+    assert d["heldout_scored_tokens"] == 64 * 128
     # 30 steps through the codec improve the model as users score it, by more than the held-out
     # noise (dense inference: measured 2.629 -> 2.346, standard error 0.026), and the model as the
     # mesh serves it gets much better (through the codec: 3.01 -> 2.41)
     se = max(s["heldout_loss_first_se"], s["heldout_loss_se"])
-    assert 0.005 < se < 0.15
+    assert 0.005 < se < 0.2
     assert s["heldout_loss"] < s["heldout_loss_first"] - 2 * se
     assert s["heldout_loss_masked"] < s["heldout_loss_masked_first"] - 0.3
     # 224 coefficients per token, both ways, at 4 bits + one bf16 scale = 114 bytes
