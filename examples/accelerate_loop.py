@@ -71,8 +71,10 @@ def main(argv=None):
                 optimizer.zero_grad()
         if rank == 0 and (step % 5 == 0 or step + 1 == args.steps):
             m_ = dp_metrics(accelerator)
-            print(f"step {step}: loss {loss.item():.4f}, DP bytes sent {m_.get('dp/bytes_sent', 0):,}"
-                  f" ({m_.get('dp/compression_ratio', float('nan')):.1f}x fewer than all-reduce)", flush=True)
+            ratio = (f"{m_['dp/compression_ratio']:.1f}x fewer than all-reduce" if "dp/compression_ratio" in m_
+                     else f"no sync yet; an all-reduce would have sent {m_.get('dp/allreduce_bytes', 0):,}")
+            print(f"step {step}: loss {loss.item():.4f}, DP bytes sent {m_.get('dp/bytes_sent', 0):,} ({ratio})",
+                  flush=True)
     if not args.stock:
         finalize_dp(accelerator)
     metrics = dp_metrics(accelerator)
