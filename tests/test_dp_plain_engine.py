@@ -127,3 +127,30 @@ def test_dp_metrics_keys_are_the_csv_columns():
     m = t.metrics()
     assert set(m) == set(DPTotals.KEYS) <= set(CSV_COLUMNS)
     assert m["dp/compression_ratio"] == 10.0 and m["dp/bytes_sent"] == 10 and m["dp/allreduce_bytes"] == 100
+
+
+_SHM_SCRIPT = """
+import os, sys
+import ds_twocircuit.adapters.accelerate  # noqa: F401  (what a user imports before Accelerator())
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+print("SHM_OP", sys.modules["deepspeed.comm.comm"].cdb.shm_comm_op)
+print("BUILT", sorted(os.listdir(os.environ["TORCH_EXTENSIONS_DIR"])) if os.path.isdir(os.environ["TORCH_EXTENSIONS_DIR"]) else [])
+"""
+
+
+def test_importing_the_accelerate_adapter_skips_the_shm_op_build(tmp_path):
+    """Under Accelerate, DeepSpeed's process group starts in the user's code, not ours: importing
+    the adapter is what keeps a fresh CPU machine from JIT-building DeepSpeed's shared-memory op
+    (about a minute on 2 cores) in ``init_distributed``."""
+    import os
+    import subprocess
+    import sys
+    from launch_helpers import ROOT, free_port
+    ext = tmp_path / "ext"
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCH_EXTENSIONS_DIR=str(ext), DS_ACCELERATOR="cpu", RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-c", _SHM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SHM_OP None" in p.stdout and "BUILT []" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "deepspeed_shm_comm" not in p.stdout + p.stderr

@@ -18,7 +18,14 @@ from __future__ import annotations
 import csv
 import os
 
+from .dist import prepare_runtime
 from .plain_engine import DPTotals, attach_dp_backend
+
+# A user imports this module before ``Accelerator()`` / ``TrainingArguments`` start DeepSpeed's
+# process group: on a CPU host that is the moment to skip DeepSpeed's JIT build of its shared-memory
+# op (about a minute on 2 cores, on every fresh machine; it serves only inference all-reduce), as
+# launch/train.py does.
+prepare_runtime()
 
 # the columns of the callback's CSV log, in order (a metric absent from a log is an empty cell)
 CSV_COLUMNS = ("step", *DPTotals.KEYS, "dp/final")
