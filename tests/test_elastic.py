@@ -111,6 +111,27 @@ def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend
     assert [m["step"] for m in read_metrics(out)] == list(range(7)) and all(l < 7 for l in losses)
 
 
+@pytest.mark.parametrize("backend", ["powersgd", "streaming_diloco"])
+def test_error_feedback_on_resize_averages_or_resets(backend):
+    """``powersgd.error_feedback_on_resize``: the merged residual is the old replicas' mean
+    (default) or zero; everything else the merge keeps is the same either way."""
+    from ds_twocircuit.dp.registry import get_backend
+    cls = get_backend(backend)
+    errs = [{"w": torch.full((3, 2), float(v))} for v in (1.0, 3.0)]
+    states = [{"backend": backend, "names": ["w"], "compressor": {"error": e, "q": {"w": torch.ones(2, 1)}, "rounds": 4},
+               "fragments": [["w"]], "pending": [], "dirty": [False], "backup": [torch.zeros(3, 2)],
+               "momentum": None} for e in errs]
+    cfg = {**BACKENDS[backend]}
+    averaged = cls.merge_replica_states(states, cls.config_class.coerce(cfg, backend=backend))
+    cfg["powersgd"] = {**cfg["powersgd"], "error_feedback_on_resize": "reset"}
+    reset = cls.merge_replica_states(states, cls.config_class.coerce(cfg, backend=backend))
+    assert torch.equal(averaged["compressor"]["error"]["w"], torch.full((3, 2), 2.0))
+    assert torch.equal(reset["compressor"]["error"]["w"], torch.zeros(3, 2))
+    assert reset["compressor"]["q"] is states[0]["compressor"]["q"] and reset["compressor"]["rounds"] == 4
+    assert {k: v for k, v in averaged.items() if k != "compressor"}.keys() == \
+        {k: v for k, v in reset.items() if k != "compressor"}.keys()
+
+
 @pytest.mark.multiproc
 def test_pipeline_and_reference_merge_alike(tmp_path):
     """Streaming DiLoCo with PowerSGD (the most per-replica state) on pp 2: dp 2 -> 1 -> 2 through
@@ -126,3 +147,31 @@ def test_pipeline_and_reference_merge_alike(tmp_path):
     w, r = read_weights(os.path.join(pipe, "hf")), read_weights(os.path.join(ref, "hf"))
     assert max(float((w[k] - r[k]).abs().max()) for k in w) < 1e-5
     assert read_summary(pipe)["dp_replicas_identical"] is True
+
+
+def test_bench_resize_compares_the_merge_rules_on_the_same_tokens(tmp_path):
+    """launch/bench_resize.py on the tiny preset with PowerSGD from step 0 (every step leaves a
+    residual): the two resized runs start from the uninterrupted run's checkpoint, train the same
+    tokens, and differ only by the error-feedback rule."""
+    import subprocess
+    import sys
+    from launch_helpers import ROOT
+    cfg = json.load(open(os.path.join(CONFIGS, "dense_dp.json")))
+    cfg["twocircuit"]["dp"] = BACKENDS["powersgd"]
+    path = tmp_path / "powersgd.json"
+    path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "launch/bench_resize.py", "--config", str(path), "--model", "tiny",
+                        "--before", "2", "--after", "2", "--eval-sequences", "16", "--work-dir", str(tmp_path / "w"),
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.load(open(tmp_path / "resize.json"))
+    by = {e["run"]: e for e in res["entries"]}
+    assert [by[r]["dp"] for r in ("uninterrupted", "average", "reset")] == [2, 1, 1]
+    assert by["uninterrupted"]["last_step"] == 3 and by["average"]["first_step"] == by["reset"]["first_step"] == 2
+    # the same training tokens: 2 steps on 2 replicas, then 2 on one == 3 steps on 2 replicas
+    tokens_per_replica_step = by["average"]["launch_tokens"] // 2
+    assert by["uninterrupted"]["launch_tokens"] == 2 * tokens_per_replica_step * 3
+    # the merged model is the same either way; the residual each rule keeps is not
+    assert by["average"]["heldout_loss_at_change"] == by["reset"]["heldout_loss_at_change"]
+    assert res["reset_minus_average"] != 0.0
+    assert "| `reset` | 1 | 2..4 |" in open(tmp_path / "resize.md").read()

@@ -97,14 +97,14 @@ def _resolve_tag(ckpt_dir: str) -> tuple[str, str]:
     return ckpt_dir, open(latest).read().strip()
 
 
-def merge_rank_states(states: list[dict], backend_cls, codec_cls) -> dict:
+def merge_rank_states(states: list[dict], backend_cls, codec_cls, backend_cfg=None) -> dict:
     """One rank file's state from the old replicas' files of a stage (a resume on another DP
     width): optimizer moments and local weights averaged, the DP backend's and the codec's state
     merged by their own rules, the rest from the first replica."""
     from ..replicas import mean_state
     first = states[0]
     merged = {**first, "optimizer": mean_state([s["optimizer"] for s in states]),
-              "dp_backend": (backend_cls.merge_replica_states([s["dp_backend"] for s in states])
+              "dp_backend": (backend_cls.merge_replica_states([s["dp_backend"] for s in states], backend_cfg)
                              if first["dp_backend"] is not None else None),
               "module": mean_state([s["module"] for s in states]) if first["module"] is not None else None}
     if first.get("codec") is not None:
@@ -158,7 +158,8 @@ def load_training_state(engine, ckpt_dir: str):
         from ..codecs import get_codec
         from ..dp.registry import get_backend
         state = merge_rank_states([torch.load(f, map_location="cpu", weights_only=False) for f in files],
-                                  get_backend(backend_name), get_codec(engine.tc.mode))
+                                  get_backend(backend_name), get_codec(engine.tc.mode),
+                                  engine.dp_backend.cfg if engine.dp_backend is not None else None)
     # the stream goes on at the first unseen sequence, whatever the new width or --grad-accum
     origin = StreamOrigin(meta["global_steps"], meta.get("consumed_micro_batches",
                                                          meta["global_steps"] * old_dp * engine.micro_batches))

@@ -297,10 +297,11 @@ class DPBackend:
         return {}
 
     @classmethod
-    def merge_replica_states(cls, states: list[dict]) -> dict:
+    def merge_replica_states(cls, states: list[dict], cfg=None) -> dict:
         """One state for every replica of a run resumed on another DP width, from the states the
         old replicas saved (``ds_twocircuit.replicas``: agreed state from the first, per-replica
-        state averaged). The base class holds nothing per replica."""
+        state averaged); ``cfg``: this run's backend config (its merge options). The base class holds
+        nothing per replica."""
         return states[0]
 
     def load_state_dict(self, sd: dict) -> None:

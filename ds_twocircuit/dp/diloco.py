@@ -360,18 +360,19 @@ class DiLoCo(DPBackend):
         }
 
     @classmethod
-    def merge_replica_states(cls, states: list[dict]) -> dict:
+    def merge_replica_states(cls, states: list[dict], cfg=None) -> dict:
         """Backups, outer momentum and the schedule are agreed (from the first replica). Syncs in
         flight are dropped: the merged local weights (the replicas' average, which the checkpoint
         loader takes) already hold their progress, and the next sync of those fragments sends it
         again. The error-feedback buffers hold the residual of each fragment's last completed round
-        (a round writes its buffer when it finishes, not when it is launched), still owed: averaged.
+        (a round writes its buffer when it finishes, not when it is launched), still owed: averaged
+        (or reset: ``cfg.powersgd.error_feedback_on_resize``).
         Every fragment counts as drifted (the end-of-run average stays exact)."""
         first = states[0]
         comp = None
         if first["compressor"] is not None:
             from .powersgd import merge_compressor_states
-            comp = merge_compressor_states([s["compressor"] for s in states])
+            comp = merge_compressor_states([s["compressor"] for s in states], cfg.powersgd if cfg is not None else None)
         return {**first, "compressor": comp, "pending": [], "dirty": [True] * len(first["fragments"])}
 
     def load_state_dict(self, sd: dict) -> None:

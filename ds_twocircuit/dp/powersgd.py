@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_twocircuit.configkit import check_keys
+from ds_twocircuit.configkit import check_choice, check_keys
 from ds_twocircuit.dp.base import CoalescedMean, Collective, DPBackend, check_finite
 from ds_twocircuit.dp.config import (DEFAULT_PREFIX, BackendConfig, boolean, float_in, int_in,
                                      nested, parse_fields, setting)
@@ -53,6 +53,8 @@ class PowerSGDConfig:
           "warm_start": bool                         [true]
           "orthogonalization_epsilon": float >= 0    [0.0] 0: Householder QR; > 0: Gram-Schmidt
           "random_seed": int >= 0                    [0]   seeds the first Q (same on all ranks)
+          "error_feedback_on_resize": "average" | "reset"  ["average"]  a resume on another DP
+              width: the new replicas start from the old ones' mean residual, or from zero
         }
     """
     matrix_approximation_rank: int = setting(64, check=int_in(1))
@@ -62,6 +64,7 @@ class PowerSGDConfig:
     warm_start: bool = setting(True, check=boolean)
     orthogonalization_epsilon: float = setting(0.0, check=float_in(0.0))
     random_seed: int = setting(0, check=int_in(0))
+    error_feedback_on_resize: str = setting("average", check=lambda v, name: check_choice(v, ("average", "reset"), name))
 
     @classmethod
     def from_dict(cls, d: dict | None,
@@ -155,10 +158,13 @@ class PowerSGDCompressor:
         self.rounds = int(sd["rounds"])
 
 
-def merge_compressor_states(states: list[dict]) -> dict:
+def merge_compressor_states(states: list[dict], cfg: PowerSGDConfig | None = None) -> dict:
     """PowerSGDCompressor states of several replicas as one: error buffers averaged (the residual the
-    replicas' mean still owes), Q and the round counter from the first (the same on every replica)."""
+    replicas' mean still owes) or, with ``error_feedback_on_resize: "reset"``, zeroed; Q and the
+    round counter from the first (the same on every replica)."""
     from ..replicas import mean_state
+    if cfg is not None and cfg.error_feedback_on_resize == "reset":
+        return {**states[0], "error": {k: torch.zeros_like(v) for k, v in states[0]["error"].items()}}
     return {**states[0], "error": {k: mean_state([s["error"][k] for s in states]) for k in states[0]["error"]}}
 
 
@@ -298,10 +304,12 @@ class PowerSGD(DPBackend):
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}
 
     @classmethod
-    def merge_replica_states(cls, states: list[dict]) -> dict:
-        """The error-feedback buffers averaged (the residual the replicas' mean still owes); the
-        warm-start Q and the round counter are the same on every replica."""
-        return {**states[0], "compressor": merge_compressor_states([s["compressor"] for s in states])}
+    def merge_replica_states(cls, states: list[dict], cfg=None) -> dict:
+        """The error-feedback buffers averaged (the residual the replicas' mean still owes; or reset,
+        as ``cfg.powersgd.error_feedback_on_resize`` says); the warm-start Q and the round counter
+        are the same on every replica."""
+        return {**states[0], "compressor": merge_compressor_states([s["compressor"] for s in states],
+                                                                   cfg.powersgd if cfg is not None else None)}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)

@@ -409,7 +409,8 @@ class ReferenceEngine:
         first = replicas[0]
         return {"model": mean_state([r["model"] for r in replicas]),
                 "optimizer": mean_state([r["optimizer"] for r in replicas]),
-                "dp_backend": type(self.replicas[0].backend).merge_replica_states([r["dp_backend"] for r in replicas]),
+                "dp_backend": type(self.replicas[0].backend).merge_replica_states(
+                    [r["dp_backend"] for r in replicas], self.replicas[0].backend.cfg),
                 "codecs": {b: tuple(codec_cls.merge_states([r["codecs"][b][end] for r in replicas]) for end in (0, 1))
                            for b in first["codecs"]}}
 
