@@ -175,3 +175,83 @@ def test_bench_resize_compares_the_merge_rules_on_the_same_tokens(tmp_path):
     assert by["average"]["heldout_loss_at_change"] == by["reset"]["heldout_loss_at_change"]
     assert res["reset_minus_average"] != 0.0
     assert "| `reset` | 1 | 2..4 |" in open(tmp_path / "resize.md").read()
+
+
+def _agent(port, out, steps, save_interval, log):
+    """One node: a torchrun agent with elastic membership (1 to 2 nodes, c10d rendezvous) running
+    one process (PP 1: the node is one whole DP replica)."""
+    import subprocess
+    import sys
+    from launch_helpers import ROOT, TRAIN, env
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=2",
+           "--max-restarts", "5", TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"),
+           "--pp", "1", "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0",
+           "--save-interval", str(save_interval), "--resume", "auto", "--output-dir", out, "--no-save-model"]
+    # what lets a node join a running job: a fresh rendezvous store every round (the README says so)
+    e = env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_torchrun_elastic_regroups_on_the_node_left_and_takes_a_new_one_in(tmp_path):
+    """Two nodes under ``torchrun --nnodes 1:2``; one is killed outright (agent and worker); the
+    survivor regroups by itself on one replica from the newest committed checkpoint; a new node
+    joins, and both go on as two replicas to the end. Nothing is repeated or skipped in the record,
+    the loss goes on from where it was, at most one checkpoint interval is redone, and the replicas
+    end identical."""
+    import re
+    import time
+    import psutil
+    from launch_helpers import free_port
+    out, port, steps, every = str(tmp_path / "run"), free_port(), 300, 5
+    logs = {n: str(tmp_path / f"{n}.log") for n in "abc"}
+
+    def done():
+        try:
+            return [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))]
+        except (OSError, ValueError):
+            return []
+
+    def wait_for(cond, what, limit=240):
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < limit, f"timed out waiting for {what}: " + open(logs["a"]).read()[-3000:]
+            time.sleep(0.5)
+
+    a = _agent(port, out, steps, every, logs["a"])
+    time.sleep(1)
+    b = _agent(port, out, steps, every, logs["b"])
+    try:
+        wait_for(lambda: len(done()) >= 30, "30 steps on two replicas")
+        victim = psutil.Process(b.pid)
+        for p in [victim, *victim.children(recursive=True)]:   # the node is gone: agent and worker
+            p.kill()
+        killed_at = done()[-1]
+        wait_for(lambda: "continuing from" in open(logs["a"]).read() and done() and done()[-1] > killed_at + 20,
+                 "the survivor to go on alone")
+        c = _agent(port, out, steps, every, logs["c"])
+        assert a.wait(timeout=300) == 0, open(logs["a"]).read()[-3000:]
+        assert c.wait(timeout=60) == 0, open(logs["c"]).read()[-3000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    log = open(logs["a"]).read()
+    resumed = [int(s) for s in re.findall(r"--resume auto: continuing from \S+global_step(\d+)", log)]
+    widths = [t.count("ProcessCoord") for t in re.findall(r"Using topology: (\{.*\})", log)]
+    assert widths == [2, 1, 2], widths                        # two replicas, then one, then two again
+    assert len(resumed) == 2 and resumed[0] < resumed[1]
+    redo = [int(n) for n in re.findall(r"(\d+) step\(s\) to redo", log)]
+    assert redo and max(redo) <= every                       # at most one checkpoint interval lost
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(steps))   # every step once
+    loss = [r["loss"] for r in rows]
+    for r in resumed:                                         # the curve goes on where it was
+        before, after = sum(loss[r - 5:r]) / 5, sum(loss[r:r + 5]) / 5
+        assert after < before + 0.3, (r, before, after)
+    assert sum(loss[-10:]) / 10 < sum(loss[:10]) / 10 - 0.5
+    s = read_summary(out)
+    assert s["mesh"]["dp"] == 2 and s["first_step"] == resumed[1] and s["dp_replicas_identical"] is True
