@@ -154,6 +154,7 @@ class Plan:
     ckpt_policy: Any                    # faults.CheckpointPolicy
     fault: Any                          # faults.Fault to inject, or None
     output_dir: str
+    spare_ranks: int = 0                # ranks left over after an elastic regroup (adapters.dist.sit_out)
 
 
 def _batch_setting(ds: dict, key: str, flag_value, default: int, path: str) -> int:
@@ -196,6 +197,7 @@ def make_plan(args, world_size: int) -> Plan:
         raise ConfigError(f"--engine reference runs in one process, but {world_size} were launched; start it "
                           "with python launch/train.py (--pp and --dp say what it simulates)")
     pp = args.pp or (2 if world_size >= 2 or reference else 1)
+    spare_ranks = 0
     if reference:
         if args.anchor_only or args.anchor_replicas:
             raise ConfigError("--engine reference runs the anchor in-process: drop --anchor-only / --anchor-replicas")
@@ -209,6 +211,11 @@ def make_plan(args, world_size: int) -> Plan:
     else:
         anchor_ranks = z * pp
         fast = world_size - anchor_ranks
+        if fast > pp and fast % pp and not z and args.dp is None and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # torchrun regrouped on ranks that do not fill whole pipelines (a node lost a stage):
+            # the replicas that are whole go on, the ranks left over sit out until the next regroup
+            spare_ranks = fast % pp
+            fast -= spare_ranks
         if fast < pp or fast % pp:
             raise ConfigError(f"{world_size} processes cannot hold pp={pp} fast stages"
                               + (f" plus {z} anchor replica(s) of {pp} ranks" if z else "")
@@ -295,7 +302,8 @@ def make_plan(args, world_size: int) -> Plan:
                 anchor_ranks=anchor_ranks, model_folder=model_folder, spec=spec, parts=parts,
                 train_docs=train_docs, heldout_docs=heldout_docs, data_fingerprint=data_fingerprint, mb=mb, gas=gas, optimizer=optimizer,
                 ckpt_policy=ckpt_policy, fault=fault,
-                output_dir=args.output_dir or os.path.join("runs", config_name))
+                output_dir=args.output_dir or os.path.join("runs", config_name),
+                spare_ranks=spare_ranks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,6 +320,9 @@ def run(argv=None) -> int:
         if grank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan.spare_ranks and grank >= gsize - plan.spare_ranks:
+        from .adapters.dist import sit_out
+        return sit_out(grank, gsize, plan.dp, plan.pp, plan.args.peer_timeout)
     from .adapters.dist import CHILD_ENV, supervise
     anchor_role = args.anchor_only or grank >= gsize - plan.anchor_ranks
     if anchor_role and not os.environ.get(CHILD_ENV):
@@ -330,7 +341,7 @@ def run(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     from .adapters.dist import init_world
-    world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout)
+    world = init_world(plan.anchor_ranks, timeout_s=plan.args.peer_timeout, spare_ranks=plan.spare_ranks)
     from .trainer import Progress
     progress = Progress()
     from .adapters.dist import shutdown_world
@@ -344,11 +355,13 @@ def run(argv=None) -> int:
             finally:
                 if progress.census is not None:
                     progress.census.stop()
+        _release_spares(plan, world, rc)
         shutdown_world()
         return rc
     except ConfigError as e:  # found after start-up (e.g. --resume): every rank finds the same
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        _release_spares(plan, world, 2)
         shutdown_world()
         return 2
     except Exception as e:
@@ -357,6 +370,12 @@ def run(argv=None) -> int:
         if reason is None or world.role != "fast":
             raise
         _report_lost_peer(plan, world, reason, argv, progress)
+
+
+def _release_spares(plan, world, rc: int) -> None:
+    if plan.spare_ranks and world.role == "fast" and world.rank == 0:
+        from .adapters.dist import release_spares
+        release_spares(rc)
 
 
 def run_reference(args) -> int:

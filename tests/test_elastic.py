@@ -177,17 +177,18 @@ def test_bench_resize_compares_the_merge_rules_on_the_same_tokens(tmp_path):
     assert "| `reset` | 1 | 2..4 |" in open(tmp_path / "resize.md").read()
 
 
-def _agent(port, out, steps, save_interval, log):
-    """One node: a torchrun agent with elastic membership (1 to 2 nodes, c10d rendezvous) running
-    one process (PP 1: the node is one whole DP replica)."""
+def _agent(port, out, steps, save_interval, log, host):
+    """One node: a torchrun agent with elastic membership (1 to 4 nodes, c10d rendezvous, hosted by
+    the first node) running one process: one pipeline stage."""
     import subprocess
     import sys
     from launch_helpers import ROOT, TRAIN, env
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=2",
-           "--max-restarts", "5", TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"),
-           "--pp", "1", "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0",
-           "--save-interval", str(save_interval), "--resume", "auto", "--output-dir", out, "--no-save-model"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc_per_node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-conf", f"last_call_timeout=2,is_host={int(host)}", "--max-restarts", "5",
+           TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"), "--pp", "2",
+           "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0", "--save-interval", str(save_interval),
+           "--resume", "auto", "--output-dir", out, "--no-save-model"]
     # what lets a node join a running job: a fresh rendezvous store every round (the README says so)
     e = env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -196,18 +197,19 @@ def _agent(port, out, steps, save_interval, log):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_torchrun_elastic_regroups_on_the_node_left_and_takes_a_new_one_in(tmp_path):
-    """Two nodes under ``torchrun --nnodes 1:2``; one is killed outright (agent and worker); the
-    survivor regroups by itself on one replica from the newest committed checkpoint; a new node
-    joins, and both go on as two replicas to the end. Nothing is repeated or skipped in the record,
-    the loss goes on from where it was, at most one checkpoint interval is redone, and the replicas
-    end identical."""
+def test_torchrun_elastic_regroups_on_the_nodes_left_and_takes_a_new_one_in(tmp_path):
+    """Four nodes of one stage each under ``torchrun --nnodes 1:4``: PP 2 x DP 2. One node is killed
+    outright (agent and worker): its replica has lost a stage, so the three nodes left regroup by
+    themselves as one whole pipeline from the newest committed checkpoint, and the rank left over
+    sits out. A new node joins: PP 2 x DP 2 again, to the end. Nothing is repeated or skipped in the
+    record, the loss goes on from where it was, at most one checkpoint interval is redone, and the
+    replicas end identical."""
     import re
     import time
     import psutil
     from launch_helpers import free_port
-    out, port, steps, every = str(tmp_path / "run"), free_port(), 300, 5
-    logs = {n: str(tmp_path / f"{n}.log") for n in "abc"}
+    out, port, steps, every = str(tmp_path / "run"), free_port(), 240, 5
+    logs = {n: str(tmp_path / f"{n}.log") for n in "abcde"}
 
     def done():
         try:
@@ -215,34 +217,38 @@ def test_torchrun_elastic_regroups_on_the_node_left_and_takes_a_new_one_in(tmp_p
         except (OSError, ValueError):
             return []
 
+    def text():
+        return "".join(open(f).read() for f in logs.values() if os.path.exists(f))
+
     def wait_for(cond, what, limit=240):
         t0 = time.time()
         while not cond():
-            assert time.time() - t0 < limit, f"timed out waiting for {what}: " + open(logs["a"]).read()[-3000:]
+            assert time.time() - t0 < limit, f"timed out waiting for {what}: " + text()[-4000:]
             time.sleep(0.5)
 
-    a = _agent(port, out, steps, every, logs["a"])
+    agents = {"a": _agent(port, out, steps, every, logs["a"], host=True)}
     time.sleep(1)
-    b = _agent(port, out, steps, every, logs["b"])
+    agents.update({n: _agent(port, out, steps, every, logs[n], host=False) for n in "bcd"})
     try:
-        wait_for(lambda: len(done()) >= 30, "30 steps on two replicas")
-        victim = psutil.Process(b.pid)
+        wait_for(lambda: len(done()) >= 30, "30 steps on four nodes")
+        victim = psutil.Process(agents["d"].pid)
         for p in [victim, *victim.children(recursive=True)]:   # the node is gone: agent and worker
             p.kill()
         killed_at = done()[-1]
-        wait_for(lambda: "continuing from" in open(logs["a"]).read() and done() and done()[-1] > killed_at + 20,
-                 "the survivor to go on alone")
-        c = _agent(port, out, steps, every, logs["c"])
-        assert a.wait(timeout=300) == 0, open(logs["a"]).read()[-3000:]
-        assert c.wait(timeout=60) == 0, open(logs["c"]).read()[-3000:]
+        wait_for(lambda: "sits out" in text() and done() and done()[-1] > killed_at + 20,
+                 "the nodes left to go on as one pipeline")
+        agents["e"] = _agent(port, out, steps, every, logs["e"], host=False)
+        for n in "abce":
+            assert agents[n].wait(timeout=300) == 0, text()[-4000:]
     finally:
-        for p in (a, b):
+        for p in agents.values():
             if p.poll() is None:
                 p.kill()
-    log = open(logs["a"]).read()
-    resumed = [int(s) for s in re.findall(r"--resume auto: continuing from \S+global_step(\d+)", log)]
-    widths = [t.count("ProcessCoord") for t in re.findall(r"Using topology: (\{.*\})", log)]
+    log = text()
+    widths = [t.count("ProcessCoord(pipe=0") for t in re.findall(r"Using topology: (\{.*\})", log)]
     assert widths == [2, 1, 2], widths                        # two replicas, then one, then two again
+    assert log.count("[ds_twocircuit] rank 2 sits out: 3 ranks make 1 whole pipeline(s) of --pp 2") == 1
+    resumed = sorted(int(s) for s in re.findall(r"--resume auto: continuing from \S+global_step(\d+)", log))
     assert len(resumed) == 2 and resumed[0] < resumed[1]
     redo = [int(n) for n in re.findall(r"(\d+) step\(s\) to redo", log)]
     assert redo and max(redo) <= every                       # at most one checkpoint interval lost
@@ -255,3 +261,19 @@ def test_torchrun_elastic_regroups_on_the_node_left_and_takes_a_new_one_in(tmp_p
     assert sum(loss[-10:]) / 10 < sum(loss[:10]) / 10 - 0.5
     s = read_summary(out)
     assert s["mesh"]["dp"] == 2 and s["first_step"] == resumed[1] and s["dp_replicas_identical"] is True
+
+
+def test_a_fixed_mesh_refuses_ranks_that_fill_no_whole_pipeline(monkeypatch):
+    """Outside torchrun (DeepSpeed's launcher, a fixed mesh) 3 ranks for --pp 2 stay an error; under
+    torchrun (a regroup) the rank left over sits out (the test above)."""
+    from ds_twocircuit import train
+    dense = ["--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense.json"), "--pp", "2"]
+    args = train.parse_args(dense)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(train.ConfigError, match="must be a positive multiple of --pp"):
+        train.make_plan(args, 3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    plan = train.make_plan(args, 3)
+    assert (plan.pp, plan.dp, plan.spare_ranks) == (2, 1, 1)
+    with pytest.raises(train.ConfigError, match="positive multiple of --pp"):   # an explicit --dp: no spares
+        train.make_plan(train.parse_args([*dense, "--dp", "2"]), 3)

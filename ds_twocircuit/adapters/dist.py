@@ -123,7 +123,42 @@ def comm_backend() -> str:
     return "gloo" if name == "ccl" else name  # oneCCL has no send/recv (DeepSpeed #5313)
 
 
-def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
+def store_attempt() -> str:
+    """What names this launch attempt's keys on the launcher's store: torchrun's restart count where
+    its agent store outlives a restart (every agent restarts together there), else "0" (each
+    rendezvous round has a fresh store, and a node that joined late counts its restarts from 0)."""
+    return (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) else "0")
+
+
+def _spares_store(timeout_s: float = 60.0):
+    return census_store(f"twocircuit/attempt{store_attempt()}/spares/", timeout_s)
+
+
+def sit_out(grank: int, gsize: int, dp: int, pp: int, timeout_s: float) -> int:
+    """A rank left over after a regroup (the ranks are not a multiple of ``--pp``: a pipeline lost
+    a stage and drops out as a whole) takes no part in training: it answers the launcher's
+    rendezvous, then waits for the run's end (exit 0 with the run) or for torchrun to restart the
+    group when a node joins, when it becomes a rank of a whole pipeline again."""
+    import torch.distributed as dist
+    print(f"[ds_twocircuit] rank {grank} sits out: {gsize} ranks make {dp} whole pipeline(s) of --pp {pp} "
+          f"({gsize - dp * pp} left over); it waits for the next regroup (a node joining) or the end of the run",
+          file=sys.stderr, flush=True)
+    next(dist.rendezvous("env://", rank=grank, world_size=gsize, timeout=timedelta(seconds=max(timeout_s, 60))))
+    try:
+        store = _spares_store(max(timeout_s, 60))
+        store.wait(["done"], timedelta(days=365))
+        return 0 if store.get("done") == b"0" else 1
+    except Exception:   # the store's host is gone without a word: the run failed, and torchrun restarts it
+        return 1
+
+
+def release_spares(rc: int) -> None:
+    """Rank 0, at the run's end: the ranks sitting out end with the run's exit code."""
+    _spares_store().set("done", str(rc))
+
+
+def init_world(anchor_ranks: int = 0, timeout_s: float = 1800, spare_ranks: int = 0) -> World:
     """Initialise torch.distributed (and DeepSpeed's comm) for this process's circuit.
 
     ``timeout_s`` bounds every wait on a peer (``--peer-timeout``): the world's own operations
@@ -140,7 +175,7 @@ def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
 
     grank, gsize, lrank = launcher_env()
     backend = comm_backend()
-    fast = gsize - anchor_ranks
+    fast = gsize - anchor_ranks - spare_ranks   # spares (sit_out) never get here: no anchors then
     role = "fast" if grank < fast else "anchor"
     rank, size = (grank, fast) if role == "fast" else (grank - fast, anchor_ranks)
     import torch
@@ -151,17 +186,16 @@ def init_world(anchor_ranks: int = 0, timeout_s: float = 1800) -> World:
         # (measured: 3x slower per step with 2 ranks x 2 threads on 2 cores).
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    # One store prefix per circuit and per torchrun restart where the store outlives a restart:
+    # One store prefix per circuit and per torchrun restart where the store outlives a restart
+    # (store_attempt):
     # torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) keeps the previous attempt's keys
     # (gloo's peer addresses), which would send a restarted group to dead ports. Every agent
     # restarts together there. Where each rendezvous round gets a fresh store (elastic
     # --nnodes MIN:MAX with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), the agents' restart counts
     # differ once a node joins late, so the count must not name the keys.
-    attempt = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-               if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) else "0")
     store, _, _ = next(dist.rendezvous("env://", rank=grank, world_size=gsize,
                                        timeout=timedelta(seconds=max(timeout_s, 60))))
-    prefix = f"twocircuit/attempt{attempt}/{role}/"
+    prefix = f"twocircuit/attempt{store_attempt()}/{role}/"
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                             rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
     if anchor_ranks:
