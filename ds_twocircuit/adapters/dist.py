@@ -187,10 +187,9 @@ def init_world(anchor_ranks: int = 0, timeout_s: float = 1800, spare_ranks: int 
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     # One store prefix per circuit and per torchrun restart where the store outlives a restart
-    # (store_attempt):
-    # torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) keeps the previous attempt's keys
-    # (gloo's peer addresses), which would send a restarted group to dead ports. Every agent
-    # restarts together there. Where each rendezvous round gets a fresh store (elastic
+    # (store_attempt): torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) keeps the previous
+    # attempt's keys (gloo's peer addresses), which would send a restarted group to dead ports;
+    # every agent restarts together there. Where each rendezvous round gets a fresh store (elastic
     # --nnodes MIN:MAX with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), the agents' restart counts
     # differ once a node joins late, so the count must not name the keys.
     store, _, _ = next(dist.rendezvous("env://", rank=grank, world_size=gsize,
