@@ -226,6 +226,24 @@ def node_command(launcher: str, node: int, nodes: int, port: int, script: list[s
             *(["--rdzv-conf", "is_host=1"] if node == 0 else []), *script]
 
 
+# what lets a node join a running elastic job: a fresh rendezvous store every round (torch 2.13's
+# shared store publishes the workers' master address in the first round only)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def elastic_node_command(min_nodes: int, max_nodes: int, endpoint: str, script: list[str], *, host: bool,
+                         procs_per_node: int = 1, last_call_timeout_s: int | None = None,
+                         max_restarts: int = 100) -> list[str]:
+    """The line one node runs to take part in an elastic job (torchrun ``--nnodes MIN:MAX``, c10d
+    rendezvous at ``endpoint``, hosted by the node with ``host``); run it with :data:`ELASTIC_ENV` in
+    its environment and ``--resume auto`` in ``script``'s arguments."""
+    conf = [f"is_host={int(host)}"] + ([f"last_call_timeout={last_call_timeout_s}"]
+                                       if last_call_timeout_s is not None else [])
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{min_nodes}:{max_nodes}",
+            "--nproc_per_node", str(procs_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-conf", ",".join(conf), "--max-restarts", str(max_restarts), *script]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--remove-stale"]:

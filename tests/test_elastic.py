@@ -180,18 +180,19 @@ def test_bench_resize_compares_the_merge_rules_on_the_same_tokens(tmp_path):
 def _agent(port, out, steps, save_interval, log, host):
     """One node: a torchrun agent with elastic membership (1 to 4 nodes, c10d rendezvous, hosted by
     the first node) running one process: one pipeline stage."""
+    import importlib.util
     import subprocess
-    import sys
     from launch_helpers import ROOT, TRAIN, env
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc_per_node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-conf", f"last_call_timeout=2,is_host={int(host)}", "--max-restarts", "5",
-           TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"), "--pp", "2",
-           "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0", "--save-interval", str(save_interval),
-           "--resume", "auto", "--output-dir", out, "--no-save-model"]
-    # what lets a node join a running job: a fresh rendezvous store every round (the README says so)
-    e = env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    spec = importlib.util.spec_from_file_location("mesh", os.path.join(ROOT, "launch", "mesh.py"))
+    mesh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mesh)
+    cmd = mesh.elastic_node_command(
+        1, 4, f"127.0.0.1:{port}", [TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"),
+                                    "--pp", "2", "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0",
+                                    "--save-interval", str(save_interval), "--resume", "auto", "--output-dir", out,
+                                    "--no-save-model"],
+        host=host, last_call_timeout_s=2, max_restarts=5)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(mesh.ELASTIC_ENV), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
