@@ -1,6 +1,7 @@
 """Run launch/train.py in real multi-process worlds (torchrun or the deepspeed launcher)."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,18 @@ def deepspeed_launch(nprocs: int, args: list[str], timeout: int = 900, check: bo
 
 
 def _run(cmd, timeout, check, extra_env=None):
-    p = subprocess.run(cmd, cwd=ROOT, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
+    """Run a launch in its own process group. On a timeout the whole group is killed (the launcher's
+    workers and the anchor circuit's children too: left behind, they slow every later test) and the
+    failure shows what the launch printed until then."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout} s:\n{out[-4000:]}\n{err[-8000:]}")
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
     return p
