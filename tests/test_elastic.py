@@ -128,8 +128,10 @@ def test_error_feedback_on_resize_averages_or_resets(backend):
     assert torch.equal(averaged["compressor"]["error"]["w"], torch.full((3, 2), 2.0))
     assert torch.equal(reset["compressor"]["error"]["w"], torch.zeros(3, 2))
     assert reset["compressor"]["q"] is states[0]["compressor"]["q"] and reset["compressor"]["rounds"] == 4
-    assert {k: v for k, v in averaged.items() if k != "compressor"}.keys() == \
-        {k: v for k, v in reset.items() if k != "compressor"}.keys()
+    # the rule touches the error buffers only: everything else of the merge is the same
+    assert averaged.keys() == reset.keys()
+    assert all(averaged[k] == reset[k] for k in averaged if k != "compressor")
+    assert averaged["compressor"]["q"] is reset["compressor"]["q"]
 
 
 @pytest.mark.multiproc
