@@ -54,6 +54,16 @@ def parse(argv=None):
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--baseline", default=BASELINE, help="the config the others are compared with")
     p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
+    p.add_argument("--min-ratio-bf16", type=float, default=20.0,
+                   help="--report: recommend only configs with at least this many times fewer boundary bytes "
+                        "than bf16 (default 20)")
+    p.add_argument("--min-dp-ratio", type=float, default=0.0,
+                   help="--report: ... and at least this many times fewer DP bytes in the training loop than "
+                        "the baseline's all-reduce (default 0: no DP condition)")
+    p.add_argument("--within", type=float, default=0.01,
+                   help="--report: ... and a held-out loss within this fraction of the baseline's (default 0.01)")
+    p.add_argument("--title", default="Quality at the boundary bytes of each config",
+                   help="--report: the Markdown note's title")
     return p.parse_args(argv)
 
 
@@ -90,6 +100,7 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
     pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"]
     per_token = pp / (2 * tokens_run * links) if links else 0.0   # per boundary, per direction, state included
     dtype_bytes = 4   # the study trains in fp32 (the reference engine); bf16 users: the _bf16 ratio
+    final = summary.get("dp_final_sync_bytes", 0)   # the end-of-run sync that makes replicas agree
     first = summary["heldout_curve"][0] if summary.get("heldout_curve") else {}
     return {
         "label": label, "config": config, "overrides": overrides, "seed": summary["config"]["seed"],
@@ -104,7 +115,10 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
         "pp_bytes_ratio": round(hidden * dtype_bytes / per_token, 3) if per_token else None,
         "pp_bytes_ratio_bf16": round(hidden * 2 / per_token, 3) if per_token else None,
         "pp_codec_state_bytes": wb["pp_codec_state"],
-        "dp_bytes": wb["dp"], "anchor_bytes": wb["anchor"],
+        "dp_bytes": wb["dp"], "anchor_bytes": wb["anchor"], "dp_final_sync_bytes": final,
+        "bytes_per_token_by_kind": {k: round(v / tokens_run, 3) for k, v in sorted(wb.items())},
+        "dp_bytes_per_token": round(wb["dp"] / tokens_run, 3),
+        "dp_bytes_per_token_training": round((wb["dp"] - final) / tokens_run, 3),
         "heldout_loss": summary.get("heldout_loss"), "heldout_loss_coded": summary.get("heldout_loss_masked"),
         "heldout_stderr": summary.get("heldout_loss_se"),
         "heldout_loss_base": first.get("loss"), "heldout_loss_base_coded": first.get("loss_coded"),
@@ -198,21 +212,40 @@ def summarise(rows: list[dict], baseline: str) -> list[dict]:
             "pp_bytes_per_token": rs[0]["pp_bytes_per_token"], "pp_bytes_ratio": rs[0]["pp_bytes_ratio"],
             "pp_bytes_ratio_bf16": rs[0]["pp_bytes_ratio_bf16"],
             "dp_bytes": rs[0]["dp_bytes"], "anchor_bytes": rs[0]["anchor_bytes"],
+            "dp": rs[0].get("dp", 1), "dp_ratio": rs[0].get("dp_ratio"), "dp_ratio_total": rs[0].get("dp_ratio_total"),
             "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in rs), 1),
         })
     return out
 
 
-def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, within: float = 0.01):
+def add_dp_ratios(rows: list[dict], baseline: str) -> None:
+    """Each row's ``dp_ratio`` (training loop) and ``dp_ratio_total`` (with the end-of-run sync): how
+    many times fewer DP bytes per token it sent than the baseline (the all-reduce) on the same domain
+    and DP width. None where there is no such baseline row or the baseline sent no DP bytes."""
+    base = {}
+    for r in rows:
+        if r["label"] == baseline and r.get("dp_bytes_per_token"):
+            base[(r["domain"], r.get("dp", 1))] = r["dp_bytes_per_token"]
+    for r in rows:
+        ref = base.get((r["domain"], r.get("dp", 1)))
+        loop, total = r.get("dp_bytes_per_token_training"), r.get("dp_bytes_per_token")
+        r["dp_ratio"] = round(ref / loop, 2) if ref and loop else None
+        r["dp_ratio_total"] = round(ref / total, 2) if ref and total else None
+
+
+def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, within: float = 0.01,
+              min_dp_ratio: float = 0.0):
     """The config with the lowest mean held-out loss among those at >= ``min_ratio_bf16`` fewer
-    boundary bytes than bf16 on every domain measured with at least 2 seeds; None if none is within
-    ``within`` of the baseline on every domain."""
+    boundary bytes than bf16 (and, if ``min_dp_ratio``, at least that many times fewer DP bytes in
+    the training loop than the baseline) on every domain measured with at least 2 seeds; None if
+    none is within ``within`` of the baseline on every domain."""
     by_label: dict = {}
     for s in summary:
         by_label.setdefault(s["label"], []).append(s)
     ok = []
     for label, ss in by_label.items():
         if label == baseline or any((s["pp_bytes_ratio_bf16"] or 0) < min_ratio_bf16 or len(s["seeds"]) < 2
+                                    or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
                                     or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue
         ok.append((sum(s["heldout_loss_mean"] for s in ss) / len(ss), label, ss[0]["config"]))
@@ -225,38 +258,52 @@ TABLE_BEGIN, TABLE_END = "<!-- table: written by --report -->", "<!-- end of tab
 def report(args) -> dict:
     from benchnotes import write_section  # launch/, next to this script
     rows = load_rows(args.results)
+    add_dp_ratios(rows, args.baseline)
     summary = summarise(rows, args.baseline)
-    out = {"benchmark": "quality", "protocol": "launch/train.py --engine reference on each config: the Trainer, "
+    base = os.path.splitext(args.results)[0]
+    out = {"benchmark": os.path.basename(base), "protocol": "launch/train.py --engine reference on each config: the Trainer, "
            "the config's codec at the pp-stage boundaries, its DP backend and anchor in-process; fp32; the "
            "same seeds, data order, token count and held-out windows for every config",
            "rows": rows, "summary": summary, "baseline": args.baseline,
-           "recommended": recommend(summary, args.baseline),
+           "recommended": recommend(summary, args.baseline, args.min_ratio_bf16, args.within, args.min_dp_ratio),
+           "recommended_if": {"min_ratio_bf16": args.min_ratio_bf16, "min_dp_ratio": args.min_dp_ratio,
+                              "within": args.within, "seeds": 2},
            "commands": sorted({r["study_command"] for r in rows if r.get("study_command")})}
-    base = os.path.splitext(args.results)[0]
     with open(base + ".json", "w") as f:
         json.dump(out, f, indent=2)
 
     def f3(x):
         return "-" if x is None else f"{x:.3f}"
+    with_dp = any(s["dp"] > 1 for s in summary)
     lines = ["", "| config | domain | seeds | tokens | held-out loss (mean) | spread | SE | paired diff vs "
              f"`{args.baseline}` (per seed) | vs `{args.baseline}` | through the codec | bytes/token/direction "
-             "| x fewer than fp32 | x fewer than bf16 |", "|" + "---|" * 13]
+             "| x fewer than fp32 | x fewer than bf16 |" + (" DP x fewer (loop / total) |" if with_dp else ""),
+             "|" + "---|" * (13 + with_dp)]
     for s in summary:
         per_seed = ", ".join(f"{d:+.3f}" for _, d in sorted(s["paired_diff"].items())) if s["paired_diff"] else "-"
         vs = "-" if s["vs_baseline"] is None else f"{(s['vs_baseline'] - 1) * 100:+.2f}%"
         lines.append(f"| `{s['label']}` | {s['domain']} | {','.join(map(str, s['seeds']))} | {s['tokens']:,} "
                      f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'] or None)} "
                      f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {s['pp_bytes_per_token']:,.1f} "
-                     f"| {s['pp_bytes_ratio'] or 0:.1f} | {s['pp_bytes_ratio_bf16'] or 0:.1f} |")
+                     f"| {s['pp_bytes_ratio'] or 0:.1f} | {s['pp_bytes_ratio_bf16'] or 0:.1f} |"
+                     + (f" {_dp_cell(s)} |" if with_dp else ""))
     bases = sorted({(s["domain"], round(s["heldout_loss_base"], 3)) for s in summary if s["heldout_loss_base"]})
     lines += ["", "Base model (before training, dense inference): "
               + ", ".join(f"{d} {b:.3f}" for d, b in bases) + f". Recommended: `{out['recommended']}`.",
               "SE: the largest standard error of one held-out loss among the seeds; spread: the seed-to-seed "
               "range. A difference is a finding only where the paired differences agree in sign and exceed both.", ""]
-    write_section(base + ".md", TABLE_BEGIN, TABLE_END, lines, "Quality at the boundary bytes of each config")
+    write_section(base + ".md", TABLE_BEGIN, TABLE_END, lines, args.title)
     _plot(rows, base + ".png")
     print("\n".join(lines))
     return out
+
+
+def _dp_cell(s: dict) -> str:
+    if s["dp"] <= 1:
+        return "-"
+    if s["dp_ratio"] == 1.0 and s["dp_ratio_total"] == 1.0:
+        return "1 (the baseline)"
+    return f"{s['dp_ratio'] or 0:.1f} / {s['dp_ratio_total'] or 0:.1f}" if s["dp_ratio"] else "-"
 
 
 def _plot(rows, path):
