@@ -403,3 +403,40 @@ def test_a_failing_commit_does_not_reach_the_fast_circuit(tmp_path):
     assert store.latest_committed_snapshot() is None
     assert commit_snapshot_safely(store, "step00000020", 20, {"run": "r1"}, sizes) is True
     assert store.latest_committed_snapshot().step == 20
+
+
+def test_two_anchor_stages_pruning_the_same_gradient_step_at_once(tmp_path, monkeypatch):
+    """Both anchor stage ranks publish the same step and then prune the same old step folder: the
+    other rank's rmtree may land between this rank's listing and its glob of the folder's markers.
+    That must not raise (it killed the anchor worker after a publish: the fast circuit then waited
+    anchor.max_wait_s on every later step)."""
+    import shutil
+    mine, peer = SnapshotStore(tmp_path, keep_grads=2), SnapshotStore(tmp_path, keep_grads=2)
+    g = {"w": torch.ones(2, 2)}
+    for step in (0, 4):
+        mine.publish_anchor_gradients(0, step, g, batch_id={"run": "r1"})
+        peer.publish_anchor_gradients(1, step, g, batch_id={"run": "r1"})
+    victim = tmp_path / "grads" / "step_00000000"
+    real_scandir, fired = os.scandir, []
+
+    def scandir(path=".", *a):
+        if not fired and not isinstance(path, int) and Path(path) == victim:
+            fired.append(path)
+            shutil.rmtree(victim)     # the peer's prune, between our is_dir and our listing
+        return real_scandir(path, *a)
+    monkeypatch.setattr(os, "scandir", scandir)
+    mine.publish_anchor_gradients(0, 8, g, batch_id={"run": "r1"})   # prunes step 0
+    assert fired and not victim.exists()
+    got = mine.poll_anchor_gradients(0)
+    assert got is not None and got.source_step == 8
+
+
+def test_in_order_anchor_skips_a_bad_snapshot_instead_of_stalling(tmp_path):
+    from ds_twocircuit.adapters.anchor_circuit import pick_snapshot
+    store = SnapshotStore(tmp_path, keep=3)
+    bad_info = _run_snapshot(store, 24)
+    _run_snapshot(store, 28)
+    bad = {(bad_info.tag, bad_info.committed_at)}    # unreadable on one stage: skipped once
+    lease = pick_snapshot(store, "r1", 20, bad, "anchor-t", in_order=True)
+    assert lease is not None and lease.info.step == 28
+    lease.release()

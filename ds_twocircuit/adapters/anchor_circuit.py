@@ -100,15 +100,21 @@ def pick_snapshot(store: SnapshotStore, run_id, last_step: int, bad: set, reader
     than ``last_step`` (``in_order``: the oldest such) and not known bad, or None. The lease keeps retention from deleting the
     snapshot while every anchor rank loads it; release it after. ``bad`` holds (tag, committed_at)
     pairs, so a tag committed again (e.g. after a resume) is a new snapshot, not a skipped one."""
-    lease = store.acquire_latest_snapshot(reader_id, oldest_after=last_step if in_order else None)
-    if lease is None:
-        return None
-    info = lease.info
-    if ((info.batch_id or {}).get("run") != run_id or info.step <= last_step
-            or (info.tag, info.committed_at) in bad):
-        lease.release()
-        return None
-    return lease
+    after = last_step
+    while True:
+        lease = store.acquire_latest_snapshot(reader_id, oldest_after=after if in_order else None)
+        if lease is None:
+            return None
+        info = lease.info
+        if in_order and (info.tag, info.committed_at) in bad:   # never servable: the next one, not a stall
+            lease.release()
+            after = info.step
+            continue
+        if ((info.batch_id or {}).get("run") != run_id or info.step <= last_step
+                or (info.tag, info.committed_at) in bad):
+            lease.release()
+            return None
+        return lease
 
 
 def commit_snapshot_safely(store: SnapshotStore, tag: str, step: int, batch: dict, files: dict) -> bool:

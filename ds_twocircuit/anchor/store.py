@@ -453,9 +453,7 @@ class SnapshotStore:
                     pass
         for grad_step, folder in self._gradient_steps():
             if grad_step > step:
-                for marker in folder.glob(f"*.{COMMITTED}"):
-                    marker.unlink(missing_ok=True)
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove_gradient_step(folder)
         self.prune_snapshots()
         newest = self.latest_committed_snapshot()
         if newest is None:
@@ -509,9 +507,7 @@ class SnapshotStore:
         """Delete gradient steps beyond the newest ``keep_grads`` (markers first). Returns them."""
         removed = []
         for step, folder in self._gradient_steps()[self.keep_grads:]:
-            for marker in folder.glob(f"*.{COMMITTED}"):
-                marker.unlink(missing_ok=True)
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove_gradient_step(folder)
             removed.append(step)
         return removed
 
@@ -582,6 +578,18 @@ def _check_tag(tag: str) -> None:
 
 def _is_store_file(path: Path) -> bool:
     return path.name in _MARKER_NAMES or path.name.startswith(".")
+
+
+def _remove_gradient_step(folder: Path) -> None:
+    """Delete a gradient step folder, markers first. Every anchor stage rank prunes after its own
+    publish, so another rank may remove the same folder at any moment: that is not an error."""
+    try:
+        markers = list(folder.glob(f"*.{COMMITTED}"))
+    except FileNotFoundError:   # removed between the listing and this glob (Path.glob raises then)
+        return
+    for marker in markers:
+        marker.unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _mtime_ns(path: Path) -> Optional[int]:
