@@ -150,6 +150,8 @@ class CheckpointManager:
         step = int(self.world.max(float(newest[0]) if newest else -1.0))
         path = os.path.join(self.dir, f"global_step{step}") if step >= 0 else None
         log0(self.world.rank == 0, f"--resume auto: {'continuing from ' + path if path else 'no committed checkpoint in ' + self.dir + ', starting fresh'}")
+        if path is not None:   # a node without the shared folder fetches what it lacks from its peers
+            self.engine.catch_up(self.dir, step, self.world)
         return path
 
     def set_aside_old(self) -> None:

@@ -15,6 +15,9 @@ Kinds used by the project:
                                    rank 0 (LoRA adapters; shard metadata when rank 0 cannot see a
                                    stage's shard); each stage writes its own weights (not training
                                    traffic: outside TRAINING_KINDS and bytes_per_token)
+  catch_up                      -- at --resume auto, the checkpoint files a node without the shared
+                                   output folder fetches from its peers (adapters/catchup.py), and
+                                   the inventories that decide it; not training traffic
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import threading
 from collections import defaultdict
 
 KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "pp_eval", "dp", "anchor",
-         "export")
+         "export", "catch_up")
 TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "dp", "anchor")
 
 _lock = threading.Lock()

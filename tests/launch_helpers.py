@@ -32,6 +32,29 @@ def torchrun(nprocs: int, args: list[str], timeout: int = 600, check: bool = Tru
     return _run(cmd, timeout, check, extra_env)
 
 
+def torchrun_nodes(nprocs: int, args_per_node: list[list[str]], timeout: int = 600):
+    """One torchrun per node on this host (``--nnodes N --node_rank k``, a static master), each with
+    its own arguments (e.g. its own --output-dir: nodes without a shared folder). Every node's
+    launch runs in its own process group, killed on a timeout; fails with every node's output."""
+    port, nodes = free_port(), len(args_per_node)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank",
+                               str(k), "--nproc_per_node", str(nprocs), "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), TRAIN, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for k, args in enumerate(args_per_node)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        logs = [p.communicate() for p in procs]
+        raise AssertionError("nodes timed out:\n" + "\n".join(o[-3000:] + e[-5000:] for o, e in logs))
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] + e[-5000:] for o, e in logs)
+    return logs
+
+
 def deepspeed_launch(nprocs: int, args: list[str], timeout: int = 900, check: bool = True, extra_env=None):
     ds = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [ds, "--num_gpus", str(nprocs), "--master_port", str(free_port()), TRAIN] + args

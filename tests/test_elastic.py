@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from launch_helpers import CONFIGS, read_metrics, read_summary, read_weights, torchrun
+from launch_helpers import CONFIGS, read_metrics, read_summary, read_weights, torchrun, torchrun_nodes
 
 SEQ, MB, GAS = 16, 2, 2
 BACKENDS = {
@@ -137,16 +137,44 @@ def test_error_feedback_on_resize_averages_or_resets(backend):
 @pytest.mark.multiproc
 def test_pipeline_and_reference_merge_alike(tmp_path):
     """Streaming DiLoCo with PowerSGD (the most per-replica state) on pp 2: dp 2 -> 1 -> 2 through
-    DeepSpeed equals the same chain on the reference engine (SGD: a tight tolerance on any CPU)."""
+    DeepSpeed equals the same chain on the reference engine (SGD: a tight tolerance on any CPU).
+    The last width change runs as two nodes without a shared folder: node 1 (both ranks of stage 1)
+    starts with an empty output folder and fetches the files its stage loads from node 0 at
+    --resume auto, each once, counted as ``catch_up``."""
+    import glob
+    from ds_twocircuit.export import merge
     config = _config(tmp_path, "streaming_diloco", name="m95", optimizer="SGD")
-    pipe, ref = str(tmp_path / "pipe"), str(tmp_path / "ref")
+    pipe, ref, node1 = str(tmp_path / "pipe"), str(tmp_path / "ref"), str(tmp_path / "node1")
     for steps, dp in ((3, 2), (5, 1), (7, 2)):
         extra = ["--save-checkpoint"] + (["--resume", "auto"] if steps > 3 else [])
-        torchrun(2 * dp, _args(config, pipe, steps, dp, extra))
+        if steps < 7:
+            torchrun(2 * dp, _args(config, pipe, steps, dp, extra))
+        else:
+            # ranks 0, 1: stage 0 of both replicas (node 0); ranks 2, 3: stage 1 (node 1, no files)
+            torchrun_nodes(2, [_args(config, pipe, steps, dp, extra), _args(config, node1, steps, dp, extra)])
         _reference(config, ref, steps, dp, extra)
     a, b = [m["loss"] for m in read_metrics(pipe)], [m["loss"] for m in read_metrics(ref)]
     assert len(a) == 7 and a == pytest.approx(b, rel=1e-5)
-    w, r = read_weights(os.path.join(pipe, "hf")), read_weights(os.path.join(ref, "hf"))
+    # what node 1 fetched: stage 1's layer files, DeepSpeed's engine state files (its loader reads
+    # stage 0's and counts them all), the one old replica's state file (merged into both new
+    # replicas) and the marker, byte for byte as node 0 has them
+    tag0, tag1 = os.path.join(pipe, "checkpoint", "global_step5"), os.path.join(node1, "checkpoint", "global_step5")
+    fetched = sorted(os.path.relpath(f, tag1) for f in glob.glob(os.path.join(tag1, "**", "*"), recursive=True)
+                     if os.path.isfile(f))
+    layers = sorted(os.path.basename(f) for f in glob.glob(os.path.join(tag0, "layer_*")))
+    fetched_layers = [f for f in fetched if f.startswith("layer_")]
+    assert set(fetched) - set(fetched_layers) == {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                                                  "twocircuit/COMPLETE.json", "twocircuit/stage01_dp0000.pt"}
+    assert 0 < len(fetched_layers) < len(layers) and fetched_layers == layers[-len(fetched_layers):]   # stage 1's
+    for f in fetched:
+        assert open(os.path.join(tag0, f), "rb").read() == open(os.path.join(tag1, f), "rb").read(), f
+    files = sum(8 + os.path.getsize(os.path.join(tag1, f)) for f in fetched)
+    counted = read_summary(pipe)["wire_bytes"]["catch_up"]
+    assert files < counted < files + 4 * 4096           # the files, plus four ranks' inventories
+    # the export: each stage's shard on its own node; merged, the reference engine's weights
+    merged = str(tmp_path / "merged")
+    merge([os.path.join(pipe, "hf"), os.path.join(node1, "hf")], merged)
+    w, r = read_weights(merged), read_weights(os.path.join(ref, "hf"))
     assert max(float((w[k] - r[k]).abs().max()) for k in w) < 1e-5
     assert read_summary(pipe)["dp_replicas_identical"] is True
 

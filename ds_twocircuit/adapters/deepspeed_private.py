@@ -50,6 +50,7 @@ USED = {
     (PIPE_MODULE, "_local_start"): "anchor_circuit: which layer files a stage writes",
     (PIPE_MODULE, "_local_stop"): "anchor_circuit: which layer files a stage writes",
     (PIPE_MODULE, "_recursive_getattr"): "pipe_module.mark_stage_parameters: tied copies",
+    (ENGINE, "_get_ckpt_name"): "catchup.stage_files: the engine state file a stage loads",
     (ENGINE, "seq_data_parallel_group"): "pipeline_engine: the DP group, before self.grid exists",
     (ENGINE, "dist_backend"): "pipeline_engine: no broadcast without a backend",
     (ENGINE, "_config"): "plain_engine: the twocircuit section of the engine's config",

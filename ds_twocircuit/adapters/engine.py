@@ -134,6 +134,12 @@ class PipelineEngine:
         from .checkpoint import save_training_state
         return save_training_state(self.ds, ckpt_dir, fault, self.data_origin)
 
+    def catch_up(self, ckpt_dir: str, step: int, world) -> None:
+        """Fetch the files of checkpoint ``step`` this rank's disk lacks from the ranks that have
+        them (a node without the shared output folder; counted as ``catch_up``)."""
+        from .catchup import catch_up
+        catch_up(self.ds, ckpt_dir, step, world)
+
     def load_checkpoint(self, path: str) -> int:
         from .checkpoint import load_training_state
         step, self.data_origin = load_training_state(self.ds, path)

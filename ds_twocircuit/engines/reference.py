@@ -357,6 +357,9 @@ class ReferenceEngine:
                                                                               self.plan.gas)})
         return tag
 
+    def catch_up(self, ckpt_dir: str, step: int, world) -> None:
+        """One process, one disk: nothing to fetch."""
+
     def load_checkpoint(self, path: str) -> int:
         from ..faults import COMMITTED, STATE_DIR, newest_committed
         tag = path
