@@ -94,3 +94,42 @@ def test_comm_device_is_the_accelerator_under_nccl(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     monkeypatch.setattr(acc, "get_accelerator", lambda: types.SimpleNamespace(current_device_name=lambda: "cuda:3"))
     assert comm_device() == torch.device("cuda:3")
+
+
+def test_catch_up_moves_checkpoint_files_on_the_comm_device(monkeypatch, tmp_path):
+    """A checkpoint file fetched at --resume auto (adapters/catchup.py) travels as int64 length +
+    uint8 chunks, every tensor on the comm device (meta here), and arrives byte for byte; the
+    sender counts 8 + its size as catch_up."""
+    import ds_twocircuit.adapters.catchup as cu
+    import ds_twocircuit.adapters.dist as tcdist
+    from ds_twocircuit import wire
+    registry, pipe, seen = {}, [], []
+
+    def to_comm(t):
+        m = t.to("meta")
+        registry[id(m)] = t.clone()
+        return m
+
+    def send(t, dst):
+        assert t.device.type == "meta" and id(t) in registry and t.dtype in NCCL_DTYPES
+        seen.append(t.dtype)
+        pipe.append(registry[id(t)].clone())
+
+    def recv(t, src):
+        assert t.device.type == "meta" and id(t) in registry and t.dtype in NCCL_DTYPES
+        registry[id(t)].copy_(pipe.pop(0))
+
+    monkeypatch.setattr(tcdist, "to_comm", to_comm)
+    monkeypatch.setattr(tcdist, "from_comm", lambda m: registry[id(m)].clone())
+    monkeypatch.setattr(dist, "send", send)
+    monkeypatch.setattr(dist, "recv", recv)
+    monkeypatch.setattr(cu, "CHUNK", 4)
+    src, dst = tmp_path / "a" / "layer_03-model_states.pt", tmp_path / "b" / "layer_03-model_states.pt"
+    src.parent.mkdir()
+    src.write_bytes(bytes(range(10)))
+    wire.reset()
+    assert cu._send_file(str(src), 10, 1) == 18
+    assert seen == [torch.int64, torch.uint8, torch.uint8, torch.uint8]     # 4 + 4 + 2 bytes
+    cu._recv_file(str(dst), 10, 0)
+    assert dst.read_bytes() == bytes(range(10)) and pipe == []
+    assert wire.totals()["catch_up"] == 18
