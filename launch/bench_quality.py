@@ -62,6 +62,8 @@ def parse(argv=None):
                         "the baseline's all-reduce (default 0: no DP condition)")
     p.add_argument("--within", type=float, default=0.01,
                    help="--report: ... and a held-out loss within this fraction of the baseline's (default 0.01)")
+    p.add_argument("--min-seeds", type=int, default=2,
+                   help="--report: ... measured with at least this many seeds on every domain (default 2)")
     p.add_argument("--title", default="Quality at the boundary bytes of each config",
                    help="--report: the Markdown note's title")
     return p.parse_args(argv)
@@ -234,17 +236,17 @@ def add_dp_ratios(rows: list[dict], baseline: str) -> None:
 
 
 def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, within: float = 0.01,
-              min_dp_ratio: float = 0.0):
+              min_dp_ratio: float = 0.0, min_seeds: int = 2):
     """The config with the lowest mean held-out loss among those at >= ``min_ratio_bf16`` fewer
     boundary bytes than bf16 (and, if ``min_dp_ratio``, at least that many times fewer DP bytes in
-    the training loop than the baseline) on every domain measured with at least 2 seeds; None if
+    the training loop than the baseline) on every domain measured with at least ``min_seeds`` seeds; None if
     none is within ``within`` of the baseline on every domain."""
     by_label: dict = {}
     for s in summary:
         by_label.setdefault(s["label"], []).append(s)
     ok = []
     for label, ss in by_label.items():
-        if label == baseline or any((s["pp_bytes_ratio_bf16"] or 0) < min_ratio_bf16 or len(s["seeds"]) < 2
+        if label == baseline or any((s["pp_bytes_ratio_bf16"] or 0) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
                                     or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
                                     or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue
@@ -265,9 +267,10 @@ def report(args) -> dict:
            "the config's codec at the pp-stage boundaries, its DP backend and anchor in-process; fp32; the "
            "same seeds, data order, token count and held-out windows for every config",
            "rows": rows, "summary": summary, "baseline": args.baseline,
-           "recommended": recommend(summary, args.baseline, args.min_ratio_bf16, args.within, args.min_dp_ratio),
+           "recommended": recommend(summary, args.baseline, args.min_ratio_bf16, args.within, args.min_dp_ratio,
+                                    args.min_seeds),
            "recommended_if": {"min_ratio_bf16": args.min_ratio_bf16, "min_dp_ratio": args.min_dp_ratio,
-                              "within": args.within, "seeds": 2},
+                              "within": args.within, "min_seeds": args.min_seeds},
            "commands": sorted({r["study_command"] for r in rows if r.get("study_command")})}
     with open(base + ".json", "w") as f:
         json.dump(out, f, indent=2)

@@ -118,5 +118,6 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     assert out["benchmark"] == "fullstack" and out["recommended"] == "ds_configs/fast.json"   # the lowest loss
     out = bq.report(bq.parse([*args, "--min-dp-ratio", "100"]))
     assert out["recommended"] == "ds_configs/slow.json" and out["recommended_if"]["min_dp_ratio"] == 100
+    assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
     assert table.startswith("# Full stack") and "| 200.0 / 50.0 |" in table and "| 1 (the baseline) |" in table
