@@ -233,15 +233,17 @@ ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def elastic_node_command(min_nodes: int, max_nodes: int, endpoint: str, script: list[str], *, host: bool,
                          procs_per_node: int = 1, last_call_timeout_s: int | None = None,
-                         max_restarts: int = 100) -> list[str]:
+                         max_restarts: int = 100, local_addr: str | None = None) -> list[str]:
     """The line one node runs to take part in an elastic job (torchrun ``--nnodes MIN:MAX``, c10d
     rendezvous at ``endpoint``, hosted by the node with ``host``); run it with :data:`ELASTIC_ENV` in
-    its environment and ``--resume auto`` in ``script``'s arguments."""
+    its environment and ``--resume auto`` in ``script``'s arguments. ``local_addr``: the address the
+    node advertises (needed where nodes share a host name, as the mesh's namespaces do)."""
     conf = [f"is_host={int(host)}"] + ([f"last_call_timeout={last_call_timeout_s}"]
                                        if last_call_timeout_s is not None else [])
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{min_nodes}:{max_nodes}",
             "--nproc_per_node", str(procs_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-conf", ",".join(conf), "--max-restarts", str(max_restarts), *script]
+            "--rdzv-conf", ",".join(conf), "--max-restarts", str(max_restarts),
+            *(["--local-addr", local_addr] if local_addr else []), *script]
 
 
 def main(argv=None) -> int:

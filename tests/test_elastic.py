@@ -207,39 +207,48 @@ def test_bench_resize_compares_the_merge_rules_on_the_same_tokens(tmp_path):
     assert "| `reset` | 1 | 2..4 |" in open(tmp_path / "resize.md").read()
 
 
-def _agent(port, out, steps, save_interval, log, host):
-    """One node: a torchrun agent with elastic membership (1 to 4 nodes, c10d rendezvous, hosted by
-    the first node) running one process: one pipeline stage."""
+def _mesh_module():
     import importlib.util
-    import subprocess
-    from launch_helpers import ROOT, TRAIN, env
+    from launch_helpers import ROOT
     spec = importlib.util.spec_from_file_location("mesh", os.path.join(ROOT, "launch", "mesh.py"))
     mesh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mesh)
+    return mesh
+
+
+def _agent(mesh, net, node, port, out, steps, save_interval, log):
+    """Node ``node`` of the emulated mesh ``net`` (its own network namespace, capped links): a
+    torchrun agent with elastic membership (1 to 4 nodes, c10d rendezvous hosted by node 0) running
+    one process, one pipeline stage."""
+    import subprocess
+    from launch_helpers import ROOT, TRAIN, env
     cmd = mesh.elastic_node_command(
-        1, 4, f"127.0.0.1:{port}", [TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"),
-                                    "--pp", "2", "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0",
-                                    "--save-interval", str(save_interval), "--resume", "auto", "--output-dir", out,
-                                    "--no-save-model"],
-        host=host, last_call_timeout_s=2, max_restarts=5)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(mesh.ELASTIC_ENV), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+        1, 4, f"{mesh.SUBNET}.1:{port}", [TRAIN, "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "dense_dp.json"),
+                                         "--pp", "2", "--steps", str(steps), "--seq-len", "16", "--eval-sequences", "0",
+                                         "--save-interval", str(save_interval), "--resume", "auto", "--output-dir", out,
+                                         "--no-save-model"],
+        host=node == 0, last_call_timeout_s=2, max_restarts=5, local_addr=f"{mesh.SUBNET}.{node + 1}")
+    return subprocess.Popen(["ip", "netns", "exec", net.ns(node), *cmd], cwd=ROOT,
+                            env=env({**mesh.ELASTIC_ENV, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_torchrun_elastic_regroups_on_the_nodes_left_and_takes_a_new_one_in(tmp_path):
-    """Four nodes of one stage each under ``torchrun --nnodes 1:4``: PP 2 x DP 2. One node is killed
-    outright (agent and worker): its replica has lost a stage, so the three nodes left regroup by
-    themselves as one whole pipeline from the newest committed checkpoint, and the rank left over
-    sits out. A new node joins: PP 2 x DP 2 again, to the end. Nothing is repeated or skipped in the
-    record, the loss goes on from where it was, at most one checkpoint interval is redone, and the
-    replicas end identical."""
+    """Four nodes of one stage each under ``torchrun --nnodes 1:4``, each in its own network
+    namespace of the emulated mesh (launch/mesh.py: 200 Mbit/s links): PP 2 x DP 2. One node is
+    killed outright (agent and worker): its replica has lost a stage, so the three nodes left
+    regroup by themselves as one whole pipeline from the newest committed checkpoint, and the rank
+    left over sits out. A new node joins: PP 2 x DP 2 again, to the end. Nothing is repeated or
+    skipped in the record, the loss goes on from where it was, at most one checkpoint interval is
+    redone, and the replicas end identical."""
     import re
     import time
     import psutil
-    from launch_helpers import free_port
-    out, port, steps, every = str(tmp_path / "run"), free_port(), 240, 5
+    mesh = _mesh_module()
+    net = mesh.Mesh(5, 200.0, {})
+    out, port, steps, every = str(tmp_path / "run"), 29500, 240, 5
     logs = {n: str(tmp_path / f"{n}.log") for n in "abcde"}
 
     def done():
@@ -257,10 +266,13 @@ def test_torchrun_elastic_regroups_on_the_nodes_left_and_takes_a_new_one_in(tmp_
             assert time.time() - t0 < limit, f"timed out waiting for {what}: " + text()[-4000:]
             time.sleep(0.5)
 
-    agents = {"a": _agent(port, out, steps, every, logs["a"], host=True)}
-    time.sleep(1)
-    agents.update({n: _agent(port, out, steps, every, logs[n], host=False) for n in "bcd"})
+    agent = {n: (lambda k=k, n=n: _agent(mesh, net, k, port, out, steps, every, logs[n])) for k, n in enumerate("abcde")}
+    agents = {}
+    net.up()
     try:
+        agents["a"] = agent["a"]()
+        time.sleep(1)
+        agents.update({n: agent[n]() for n in "bcd"})
         wait_for(lambda: len(done()) >= 30, "30 steps on four nodes")
         victim = psutil.Process(agents["d"].pid)
         for p in [victim, *victim.children(recursive=True)]:   # the node is gone: agent and worker
@@ -268,13 +280,16 @@ def test_torchrun_elastic_regroups_on_the_nodes_left_and_takes_a_new_one_in(tmp_
         killed_at = done()[-1]
         wait_for(lambda: "sits out" in text() and done() and done()[-1] > killed_at + 20,
                  "the nodes left to go on as one pipeline")
-        agents["e"] = _agent(port, out, steps, every, logs["e"], host=False)
+        agents["e"] = agent["e"]()
         for n in "abce":
             assert agents[n].wait(timeout=300) == 0, text()[-4000:]
+        links = net.link_bytes()
     finally:
         for p in agents.values():
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, 9)
+        net.down()
+    assert links["0->1"] > 0 and links["4->0"] > 0        # the nodes talked over the mesh's links
     log = text()
     widths = [t.count("ProcessCoord(pipe=0") for t in re.findall(r"Using topology: (\{.*\})", log)]
     assert widths == [2, 1, 2], widths                        # two replicas, then one, then two again
