@@ -111,6 +111,41 @@ def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend
     assert [m["step"] for m in read_metrics(out)] == list(range(7)) and all(l < 7 for l in losses)
 
 
+def _same(a, b) -> bool:
+    """Nested dicts / lists of tensors and plain values, equal exactly."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_reference_resume_on_another_width_keeps_the_anchor_state(tmp_path):
+    """With the anchor on (M95 + spectral correction, an anchor gradient every 2 steps): 2 -> 1
+    replicas. The replicas hold the same anchor state (the same anchor gradients reach both), so
+    the merge keeps it exactly, and the run goes on taking anchor updates on the new width."""
+    from ds_twocircuit import train
+    from ds_twocircuit.engines.reference import ReferenceEngine
+    config = _config(tmp_path, "streaming_diloco", name="m95_ap")
+    cfg = json.load(open(config))
+    cfg["twocircuit"]["anchor"]["every"] = 2
+    open(config, "w").write(json.dumps(cfg))
+    out = str(tmp_path / "run")
+    s0 = _reference(config, out, 6, 2, ["--save-checkpoint"])
+    assert s0["anchor"]["updates"] >= 1
+    saved = torch.load(os.path.join(out, "checkpoint", "global_step6", "twocircuit", "reference.pt"), weights_only=False)
+    a, b = (r["optimizer"]["spectral"] for r in saved["replicas"])
+    assert a["anchor_updates"] >= 1 and a["matrices"] and _same(a, b)
+    args = train.parse_args(["--engine", "reference", *_args(config, out, 8, 1, ["--resume", "auto"])])
+    engine = ReferenceEngine(train.make_plan(args, 1))
+    assert engine.load_checkpoint(os.path.join(out, "checkpoint")) == 6
+    assert _same(engine.replicas[0].optimizer.state_dict()["spectral"], a)
+    s1 = _reference(config, out, 8, 1, ["--resume", "auto"])
+    assert s1["first_step"] == 6 and s1["mesh"]["dp"] == 1 and s1["anchor"]["updates"] >= 1
+
+
 @pytest.mark.parametrize("backend", ["powersgd", "streaming_diloco"])
 def test_error_feedback_on_resize_averages_or_resets(backend):
     """``powersgd.error_feedback_on_resize``: the merged residual is the old replicas' mean
