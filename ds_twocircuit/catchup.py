@@ -62,8 +62,9 @@ def plan(inventories: list[Inventory]) -> tuple[list[Transfer], dict[int, list[s
 
 
 def needed_files(stage: int, dp_rank: int, old_dp: int, new_dp: int, stage_files: list[str]) -> list[str]:
-    """What a rank loads to resume: its stage's DeepSpeed files (``stage_files``: layer files and the
-    engine's state file), its own replica state file (same width) or every old replica's of its
-    stage (another width: they are merged), and the commit marker."""
+    """What a rank loads to resume: its stage's DeepSpeed files (``stage_files``: its layer files and
+    the engine state files of every stage, which DeepSpeed's loader counts), its own replica state
+    file (same width) or every old replica's of its stage (another width: they are merged), and the
+    commit marker."""
     replicas = [dp_rank] if old_dp == new_dp else list(range(old_dp))
     return [*stage_files, *(f"twocircuit/stage{stage:02d}_dp{d:04d}.pt" for d in replicas), MARKER_LAST]
