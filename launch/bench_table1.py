@@ -19,8 +19,9 @@ DP), M95, M95 + AP, and the recommended low-rank codec; "+ DP" rows use PowerSGD
   anchor updates);
 * ``link_bytes_per_step``: the busiest directed link's bytes per step (the kernel's counters);
 * ``speedup``: measured tokens/s over the Baseline's, at the same link rate;
-* quality columns (held-out loss, dense inference): from the quality benchmarks, named per row
-  (SmolLM2-135M only: they were measured on it).
+* quality columns (held-out loss, dense inference): from the full-stack study's rows of each row's
+  own config (``docs/benchmarks/fullstack.jsonl``: PP 2 x DP 2, its DP sync and anchors included;
+  SmolLM2-135M only); ``-`` where that config's full stack has not been measured.
 
 The regime. This machine computes ~100x slower than the paper's A100s, so at 200 Mbit/s its links
 are not the bottleneck. ``--paper-equivalent`` first runs the Baseline uncapped, then sets the link
@@ -50,18 +51,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.path.join(ROOT, "docs", "benchmarks")
-# name, config, anchor replicas, quality source (benchmark file, variant)
+# name, config, anchor replicas (a row's quality: the full-stack study's rows of its own config)
 ROWS = [
-    ("Baseline (dense PP, dense DP)", "dense.json", 0, ("quality_120.json", "dense")),
-    ("Baseline + DP compression", "dense_dp.json", 0, ("quality_120.json", "dense")),
-    ("Top-K 90 (dense DP)", "topk90.json", 0, None),
-    ("M90", "m90_dp.json", 0, ("anchor_quality.json", "m90")),
-    ("M90 + AP", "m90_ap_dp.json", 1, ("anchor_quality.json", "m90_ap")),
-    ("M95 (dense DP)", "m95.json", 0, ("quality_120.json", "m95")),
-    ("M95", "m95_dp.json", 0, ("quality_120.json", "m95")),
-    ("M95 + AP", "m95_ap_dp.json", 1, ("anchor_quality.json", "m95_ap")),
-    ("Low-rank 224x4b (recommended)", "lowrank_dp.json", 0, ("quality_120.json", "lowrank_n224_g")),
+    ("Baseline (dense PP, dense DP)", "dense.json", 0),
+    ("Baseline + DP compression", "dense_dp.json", 0),
+    ("Top-K 90 (dense DP)", "topk90.json", 0),
+    ("M90", "m90_dp.json", 0),
+    ("M90 + AP", "m90_ap_dp.json", 1),
+    ("M95 (dense DP)", "m95.json", 0),
+    ("M95", "m95_dp.json", 0),
+    ("M95 + AP", "m95_ap_dp.json", 1),
+    ("Low-rank 224x4b (recommended)", "lowrank_dp.json", 0),
 ]
+FULLSTACK = "fullstack.jsonl"     # launch/bench_quality.py rows on PP 2 x DP 2: the table's mesh
 SWEEP_ROWS = (0, 1, 6, 7, 8)
 # The paper's Table 1 (64 x A100, 200 Mbit/s): Baseline 1.1k tokens/s, M95 + AP + DP compression
 # 46.5k (42.3x); the latter taken as compute-bound.
@@ -184,7 +186,7 @@ def steady_state(summary, mesh, metrics, steps, config):
 
 
 def measure(row, args, work, mbit, tag):
-    name, config, z, _ = row
+    name, config, z = row
     period = cycle_steps(config)
     steps = max(args.steps, (args.cycles + 1) * period + 2) if period > 1 else args.steps
     s, mesh, metrics, cmd = run_row(config, z, args, work, mbit, tag, steps)
@@ -201,21 +203,28 @@ def measure(row, args, work, mbit, tag):
             "wire_bytes_measured": s["wire_bytes"], "kernel_bytes": mesh["kernel_bytes"], "command": cmd}
 
 
-def quality_of(source):
-    if source is None:
-        return {}
-    fname, variant = source
-    path = os.path.join(OUT, fname)
+def quality_of(config: str, domain: str = "sympy") -> dict:
+    """A row's held-out loss: the mean over seeds of the full-stack study's rows of its own config
+    file (PP 2 x DP 2, DP compression and anchors included, the rows' token count), on ``domain``;
+    nothing (the table shows -) where that config has not been measured there."""
+    path = os.path.join(OUT, FULLSTACK)
     if not os.path.exists(path):
         return {}
-    d = json.load(open(path))
-    recs = [r for r in d.get("rows", d.get("variants", [])) if r["variant"] == variant]
-    if not recs:
+    label = os.path.splitext(os.path.basename(config))[0]
+    latest = {}
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            if (r["label"] == label and r["domain"] == domain and r.get("dp") == 2 and r.get("pp") == 2
+                    and not r.get("overrides")):
+                latest[r["seed"]] = r                           # the newest run of each seed
+    if not latest:
         return {}
-    loss = statistics.fmean(r["heldout_loss"] for r in recs)
-    tokens = recs[0].get("tokens")
-    return {"heldout_loss": round(loss, 4), "quality_from": f"docs/benchmarks/{fname} ({variant}, "
-            f"{len(recs)} seed{'s' if len(recs) > 1 else ''}" + (f", {tokens:,} tokens" if tokens else "") + ")"}
+    recs = [latest[k] for k in sorted(latest)]
+    tokens = {r["tokens"] for r in recs}
+    return {"heldout_loss": round(statistics.fmean(r["heldout_loss"] for r in recs), 4),
+            "quality_from": f"docs/benchmarks/{FULLSTACK} ({label}, {len(recs)} seed{'s' if len(recs) > 1 else ''}, "
+                            + "/".join(f"{t:,}" for t in sorted(tokens)) + " tokens)"}
 
 
 def sweep_speedups(sweep: dict) -> dict:
@@ -315,8 +324,9 @@ def write_markdown(res: dict, path: str) -> None:
                      f"{k['codec_state']:,.1f} | {k['dp']:,.0f} | {k['anchor']:,.0f} | {r['link_bytes_per_step']:,} "
                      f"| {loss} |")
     sources = sorted({r["quality_from"] for r in res["rows"] if r.get("quality_from")})
-    lines += ["", "Held-out losses: " + "; ".join(sources) if sources else
-              "No held-out losses: the quality benchmarks measured SmolLM2-135M, not this model."]
+    lines += ["", ("Held-out losses (dense inference) from the full-stack study of each row's own config: "
+                   + "; ".join(sources) + ". '-': that config's full stack is not measured yet.") if sources else
+              "No held-out losses: the full-stack study measured SmolLM2-135M, not this model, or none of these configs."]
     write_section(path, "<!-- table: written by launch/bench_table1.py -->", "<!-- end of table -->", lines,
                   "Table 1 on an emulated slow mesh")
 
@@ -411,7 +421,7 @@ def table_row(row, args, work, mbit, uncapped: dict) -> dict:
             "tokens_per_s_compute_only": co["tokens_per_s"] if co else None,
             "share_of_compute_only": round(m["tokens_per_s"] / co["tokens_per_s"], 3) if co else None,
             "command_compute_only": co["command"] if co else None,
-            **(quality_of(row[3]) if args.model == "smollm2-135m" else {})}
+            **(quality_of(row[1]) if args.model == "smollm2-135m" else {})}
 
 
 def relative_to_baseline(rows: list[dict]) -> None:
@@ -483,10 +493,11 @@ def refresh_quality(res: dict) -> None:
     may predate a seed added since)."""
     if res["model"] != "smollm2-135m":
         return
-    sources = {r[0]: r[3] for r in ROWS}
+    configs = {r[0]: r[1] for r in ROWS}
     for r in res["rows"]:
         r.pop("heldout_loss", None), r.pop("quality_from", None)
-        r.update(quality_of(sources.get(r["variant"])))
+        if r["variant"] in configs:
+            r.update(quality_of(configs[r["variant"]]))
 
 
 def finish(res: dict, out: str) -> None:
