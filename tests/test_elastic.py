@@ -203,6 +203,8 @@ def test_pipeline_and_reference_merge_alike(tmp_path):
     assert 0 < len(fetched_layers) < len(layers) and fetched_layers == layers[-len(fetched_layers):]   # stage 1's
     for f in fetched:
         assert open(os.path.join(tag0, f), "rb").read() == open(os.path.join(tag1, f), "rb").read(), f
+    for folder in (pipe, node1):                        # the disks' names are gone again
+        assert not [f for f in os.listdir(os.path.join(folder, "checkpoint")) if f.startswith(".disk")]
     files = sum(8 + os.path.getsize(os.path.join(tag1, f)) for f in fetched)
     counted = read_summary(pipe)["wire_bytes"]["catch_up"]
     assert files < counted < files + 4 * 4096           # the files, plus four ranks' inventories

@@ -71,7 +71,9 @@ def test_anchor_circuit_on_its_own_node(tmp_path):
     """m95_ap across two nodes of two processes each: the fast circuit's stages on node 0, the
     anchor replica's stages on node 1; the snapshot store is a folder both see."""
     cfg = json.load(open(os.path.join(CONFIGS, "m95_ap.json")))
-    cfg["twocircuit"]["anchor"].update(every=2)
+    # the fast circuit waits for each scheduled anchor gradient (max_wait_s): the count below does
+    # not depend on how fast the anchor node happens to be
+    cfg["twocircuit"]["anchor"].update(every=2, max_wait_s=60.0)
     path = tmp_path / "ap.json"
     path.write_text(json.dumps(cfg))
     out = str(tmp_path / "run")

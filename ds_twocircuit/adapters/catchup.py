@@ -5,9 +5,9 @@ Every rank of the fast circuit calls :func:`catch_up` at ``--resume auto``, befo
 the checkpoint. Where the output folder is shared (or every node already holds what it loads),
 nothing is sent but the inventories. Otherwise each file travels once per disk, point to point,
 from a rank of the receiver's own stage where one has it (a DP link); the receiver writes it
-atomically and the commit marker last. Counted as wire kind ``catch_up`` where sent: the
-inventories (each rank's record to every other rank) and, per file, 8 bytes of length plus its
-bytes.
+atomically and the commit marker last. Counted as wire kind ``catch_up`` where sent: rank 0's
+nonce, the inventories (each rank's record to every other rank) and, per file, 8 bytes of length
+plus its bytes.
 """
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ CHUNK = 64 << 20          # bytes per message: bounds the memory a large file ta
 DISK_ID = ".disk"
 
 
-def disk_id(folder: str) -> str:
+def disk_id(folder: str, nonce: str) -> str:
     """A name for the disk ``folder`` is on, shared by every rank that sees the same folder (the
-    first rank to look writes it; a node without a shared folder gets its own)."""
+    first rank to look writes ``.disk.<nonce>`` there; a node without a shared folder gets its
+    own). ``nonce`` is this catch-up's (from rank 0): a file left by an earlier one, or copied
+    along with a folder, never makes two disks look like one. Removed at the end of
+    :func:`catch_up`."""
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, DISK_ID)
+    path = os.path.join(folder, f"{DISK_ID}.{nonce}")
     if not os.path.isfile(path):
         tmp = f"{path}.{uuid.uuid4().hex}"
         with open(tmp, "w") as f:
@@ -75,11 +78,16 @@ def catch_up(ds, root: str, step: int, world) -> int:
     tag = f"global_step{step}"
     tag_dir = os.path.join(root, tag)
     marker = os.path.join(tag_dir, STATE_DIR, COMMITTED)
+    nonce = [uuid.uuid4().hex if world.rank == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    if world.rank == 0:
+        wire.count("catch_up", len(nonce[0]) * (world.size - 1), messages=world.size - 1)
     meta = None
     if os.path.isfile(marker):
         import json
         meta = json.load(open(marker))
-    mine = {"inv": Inventory(world.rank, ds.stage_id, disk_id(root), inventory(tag_dir) if os.path.isdir(tag_dir) else {},
+    mine = {"inv": Inventory(world.rank, ds.stage_id, disk_id(root, nonce[0]),
+                             inventory(tag_dir) if os.path.isdir(tag_dir) else {},
                              stage_files(ds, root, tag)),
             "dp_rank": ds.grid.get_data_parallel_id(), "meta": meta}
     records = [None] * world.size
@@ -107,6 +115,10 @@ def catch_up(ds, root: str, step: int, world) -> int:
         elif t.dst == world.rank:
             _recv_file(os.path.join(tag_dir, t.name), t.size, t.src)
     dist.barrier()        # every file is in place on every disk before anyone loads
+    try:                  # every rank has named its disk: the checkpoint folder keeps only checkpoints
+        os.remove(os.path.join(root, f"{DISK_ID}.{nonce[0]}"))
+    except FileNotFoundError:
+        pass
     return sent
 
 
