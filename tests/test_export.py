@@ -241,16 +241,10 @@ def test_two_nodes_without_a_shared_folder_send_names_and_sizes_then_merge(tmp_p
     """Two torchrun launches on this host as two nodes (--nnodes 2), each with its own output
     folder: stage 1's shard stays on node 1, rank 0 gets its names and sizes (counted, exactly),
     and the merge gives the model the pipeline trained."""
-    from launch_helpers import ROOT, TRAIN, env, free_port, read_summary
-    port, cfg = free_port(), _config(tmp_path, "untie")
+    from launch_helpers import ROOT, env, read_summary, torchrun_nodes
+    cfg = _config(tmp_path, "untie")
     outs = [str(tmp_path / f"node{k}") for k in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-                               str(k), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
-                               str(port), TRAIN, *TRAIN_ARGS, "--deepspeed", cfg, "--output-dir", outs[k]],
-                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for k in range(2)]
-    logs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] + e[-4000:] for o, e in logs)
+    logs = torchrun_nodes(1, [[*TRAIN_ARGS, "--deepspeed", cfg, "--output-dir", o] for o in outs])
     hf0, hf1 = (os.path.join(o, "hf") for o in outs)
     assert ex.missing_shards(hf0) == [ex.shard_name(1, 2)]
     assert os.listdir(hf1) == [ex.shard_name(1, 2)] and not os.path.exists(hf1 + ".partial")

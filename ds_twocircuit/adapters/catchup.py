@@ -70,11 +70,11 @@ def stage_files(ds, root: str, tag: str) -> list[str]:
     return [*layers, *states]
 
 
-def catch_up(ds, root: str, step: int, world) -> int:
-    """Make ``<root>/global_step<step>`` loadable on this rank; returns the bytes this rank sent."""
+def catch_up(ds, root: str, step: int, world) -> None:
+    """Make ``<root>/global_step<step>`` loadable on this rank (what it sends is counted)."""
     import torch.distributed as dist
     if world.size == 1:
-        return 0
+        return
     tag = f"global_step{step}"
     tag_dir = os.path.join(root, tag)
     marker = os.path.join(tag_dir, STATE_DIR, COMMITTED)
@@ -92,8 +92,7 @@ def catch_up(ds, root: str, step: int, world) -> int:
             "dp_rank": ds.grid.get_data_parallel_id(), "meta": meta}
     records = [None] * world.size
     dist.all_gather_object(records, mine)
-    sent = len(pickle.dumps(mine)) * (world.size - 1)
-    wire.count("catch_up", sent, messages=world.size - 1)
+    wire.count("catch_up", len(pickle.dumps(mine)) * (world.size - 1), messages=world.size - 1)
     meta = next((r["meta"] for r in records if r["meta"] is not None), None)
     if meta is None:
         raise ConfigError(f"--resume auto: no rank holds the commit marker of {tag} ({STATE_DIR}/{COMMITTED})")
@@ -111,7 +110,7 @@ def catch_up(ds, root: str, step: int, world) -> int:
             "(--dp), or use a shared --output-dir")
     for t in transfers:
         if t.src == world.rank:
-            sent += _send_file(os.path.join(tag_dir, t.name), t.size, t.dst)
+            _send_file(os.path.join(tag_dir, t.name), t.size, t.dst)
         elif t.dst == world.rank:
             _recv_file(os.path.join(tag_dir, t.name), t.size, t.src)
     dist.barrier()        # every file is in place on every disk before anyone loads
@@ -119,7 +118,6 @@ def catch_up(ds, root: str, step: int, world) -> int:
         os.remove(os.path.join(root, f"{DISK_ID}.{nonce[0]}"))
     except FileNotFoundError:
         pass
-    return sent
 
 
 def _send_file(path: str, size: int, dst: int) -> int:
