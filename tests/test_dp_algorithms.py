@@ -85,6 +85,13 @@ RESUME_CASES = {
     "streaming_powersgd_overlap": ({"backend": "streaming_diloco", "inner_steps": 4,
                                     "num_fragments": 2, "overlap_steps": 2,
                                     "compression": "powersgd", "powersgd": PSGD2}, 12, 6),
+    # saved after step 7: fragment 0's sync (launched after step 5) has its Q all-reduce in flight
+    # (launched after step 7, finished after step 8), and the delayed merge rule's own
+    # pseudo-gradient must survive the checkpoint
+    "streaming_powersgd_delayed_q_in_flight": ({"backend": "streaming_diloco", "inner_steps": 6,
+                                                "num_fragments": 2, "overlap_steps": 3,
+                                                "merge_rule": "delayed", "compression": "powersgd",
+                                                "powersgd": PSGD2}, 16, 8),
 }
 
 
@@ -512,6 +519,7 @@ def test_resume_is_bitwise_identical(dist_suite):
             assert r[name]["equal"], f"{name}: resumed run diverged from the uninterrupted one"
     assert res[0]["streaming_overlap"]["pending_at_save"] == 1
     assert res[0]["streaming_powersgd_overlap"]["pending_at_save"] == 1
+    assert res[0]["streaming_powersgd_delayed_q_in_flight"]["pending_at_save"] == 1
 
 
 def test_state_dict_contains_everything():
@@ -590,6 +598,7 @@ def test_config_defaults():
     assert c.inner_steps == 10 and c.outer_lr == 0.7
     assert c.outer_momentum == 0.9 and c.nesterov and c.num_fragments == 4 and c.overlap
     assert c.overlap_steps == 1 and c.merge_alpha == 0.5 and c.compression is None
+    assert c.merge_rule == "mix"
     assert c.powersgd == PowerSGDConfig(64, 10, 2.0, True, True, 0.0, 0)
     d = config_from_dict({"backend": "diloco"})
     assert type(d) is DiLoCoConfig and d == DiLoCoConfig() and not hasattr(d, "num_fragments")
@@ -615,6 +624,11 @@ def test_config_defaults():
     ({"backend": "streaming_diloco", "inner_steps": 4, "overlap_steps": 4},
      "twocircuit.dp.overlap_steps"),
     ({"backend": "streaming_diloco", "merge_alpha": 1.5}, "twocircuit.dp.merge_alpha"),
+    ({"backend": "streaming_diloco", "merge_rule": "average"}, "twocircuit.dp.merge_rule"),
+    ({"backend": "streaming_diloco", "overlap": False, "merge_rule": "delayed"},
+     "twocircuit.dp.merge_rule"),
+    ({"backend": "streaming_diloco", "merge_rule": "delayed", "merge_alpha": 0.5},
+     "twocircuit.dp.merge_alpha"),
     ({"backend": "nope"}, "twocircuit.dp.backend"),
 ])
 def test_config_refuses_bad_keys(d, key):
@@ -669,7 +683,7 @@ def test_registry_builtins_unknown_and_third_party():
 # a key of each other built-in backend: its own class refuses it, named, with the backend
 FOREIGN = {"allreduce": ("powersgd", "inner_steps", "num_fragments"),
            "powersgd": ("inner_steps", "compression", "overlap"),
-           "diloco": ("num_fragments", "overlap_steps", "merge_alpha", "options"),
+           "diloco": ("num_fragments", "overlap_steps", "merge_alpha", "merge_rule", "options"),
            "streaming_diloco": ("options",)}
 
 
@@ -697,7 +711,8 @@ def test_backend_configs_own_their_keys():
     assert DiLoCoConfig.keys() == {"inner_steps", "outer_lr", "outer_momentum", "nesterov",
                                    "compression", "powersgd"}
     assert StreamingDiLoCoConfig.keys() == DiLoCoConfig.keys() | {"num_fragments", "overlap",
-                                                                  "overlap_steps", "merge_alpha"}
+                                                                  "overlap_steps", "merge_alpha",
+                                                                  "merge_rule"}
     assert OptionsConfig.keys() == {"options"}
     for name in registry.BUILTIN_BACKENDS:
         cls = get_backend(name).config_class

@@ -22,11 +22,23 @@ F = 1: syncs after steps H-1, 2H-1, ...
 Overlap (Streaming DiLoCo, ``overlap: true``): the all-reduce launched after step s runs in the
 background (``async_op=True``) and is finished after step ``s + tau`` (tau = overlap_steps), before
 that step's own launches.  The live fragment has meanwhile taken tau more local steps, so it is
-merged instead of overwritten (the paper's mixing rule):
-``local <- merge_alpha * local + (1 - merge_alpha) * backup_new``
-(merge_alpha = 0: replace by the global weights; the default 0.5 is the paper's).  The backup is
-still exactly the outer-updated global fragment.  With PowerSGD compression only the first
-all-reduce (uncompressed part and P) overlaps; the Q all-reduce runs at finish time.
+merged instead of overwritten.  Two merge rules (``merge_rule``):
+
+- ``"mix"`` (the paper's mixing rule, the default):
+  ``local <- merge_alpha * local + (1 - merge_alpha) * backup_new``
+  (merge_alpha = 0: replace by the global weights; the default 0.5 is the paper's).  It keeps
+  ``merge_alpha`` of the tau local steps taken since the launch, and as much of this replica's
+  drift from the others.
+- ``"delayed"`` (the delayed outer update of DiLoCoX / PCCL, for tau steps): the outer update is
+  applied on top of the local steps taken since the launch, trading this replica's own
+  pseudo-gradient for the outer update: ``local <- local + delta_local - outer_lr * update``, i.e.
+  ``backup_new + (local - local_at_launch)``.  All tau local steps are kept, and the drift
+  between replicas is reset to what those steps added.
+
+The backup is still exactly the outer-updated global fragment.  With PowerSGD compression the
+first all-reduce (uncompressed part and P) is launched after step s and the second (Q) after step
+``s + ceil(tau / 2)``, so both overlap inner steps when tau >= 2 (with tau = 1 the Q all-reduce
+runs at finish time); when Q is launched changes no value, only what overlaps.
 
 Checkpoints: ``state_dict()`` waits for in-flight all-reduces (no new collective is issued, so it
 is safe on any subset of ranks) and stores their reduced results; the outer step and merge still
@@ -52,6 +64,15 @@ FP16_DILOCO = ("twocircuit.dp.backend = {backend!r} cannot run with fp16.enabled
                "optimizer keeps fp32 master weights that would overwrite each outer (DiLoCo) update on "
                "the next step; train in fp32 (or bf16 with torch_autocast), or use backend 'powersgd' / "
                "'allreduce' with fp16")
+
+
+MERGE_RULES = ("mix", "delayed")
+
+
+def _merge_rule(v, name):
+    if v not in MERGE_RULES:
+        raise ConfigError(f"{name} must be one of {', '.join(repr(r) for r in MERGE_RULES)}, got {v!r}")
+    return v
 
 
 def _compression(v, name):
@@ -116,13 +137,15 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
         "num_fragments": int, 1 <= F <= H    [4]
         "overlap": bool                      [true]
         "overlap_steps": int, 1 <= tau < H   [1]    only with overlap
-        "merge_alpha": float in [0, 1]       [0.5]  only with overlap
+        "merge_rule": "mix" | "delayed"      ["mix"] only with overlap
+        "merge_alpha": float in [0, 1]       [0.5]  only with overlap and merge_rule "mix"
     """
     backend: str = "streaming_diloco"
     num_fragments: int = setting(4, check=int_in(1))
     overlap: bool = setting(True, check=boolean)
     overlap_steps: int = setting(1, check=int_in(1))
     merge_alpha: float = setting(0.5, check=float_in(0.0, 1.0))
+    merge_rule: str = setting("mix", check=_merge_rule)
 
     def check_consistency(self, given: frozenset, prefix: str) -> None:
         if self.num_fragments > self.inner_steps:
@@ -131,10 +154,13 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
                               f"fragments sync on the same step; got {self.num_fragments}")
         super().check_consistency(given, prefix)
         if not self.overlap:
-            for k in ("overlap_steps", "merge_alpha"):
+            for k in ("overlap_steps", "merge_alpha", "merge_rule"):
                 if k in given:
                     raise ConfigError(f"{key(prefix, k)} only applies with "
                                       f"{key(prefix, 'overlap')}=true")
+        if self.merge_rule != "mix" and "merge_alpha" in given:
+            raise ConfigError(f"{key(prefix, 'merge_alpha')} only applies with "
+                              f"{key(prefix, 'merge_rule')}=\"mix\" (it is {self.merge_rule!r})")
         elif self.overlap_steps >= self.inner_steps:
             raise ConfigError(f"{key(prefix, 'overlap_steps')} must be < "
                               f"{key(prefix, 'inner_steps')} ({self.inner_steps}) so a fragment's "
@@ -180,9 +206,11 @@ def split_fragments(numels, num_fragments: int) -> list[list[int]]:
 class _Sync:
     """One in-flight fragment sync: its pseudo-gradient buffers and the reduction round."""
 
-    def __init__(self, fragment: int, launched: int, due: int, deltas, rnd):
+    def __init__(self, fragment: int, launched: int, due: int, deltas, rnd, q_due: int | None = None):
         self.fragment, self.launched, self.due, self.deltas, self.round = (
             fragment, launched, due, deltas, rnd)
+        # PowerSGD: the step after which the second (Q) all-reduce is launched
+        self.q_due = due if q_due is None else q_due
 
 
 class DiLoCo(DPBackend):
@@ -215,6 +243,14 @@ class DiLoCo(DPBackend):
 
     def _setup_streaming(self, c) -> None:
         self.num_fragments, self.overlap, self.overlap_steps, self.merge_alpha = 1, False, 0, 0.0
+        self.merge_rule = "mix"
+
+    @property
+    def _delayed(self) -> bool:
+        return self.overlap and self.merge_rule == "delayed"
+
+    def _q_due(self, launched: int) -> int:
+        return launched + max(1, (self.overlap_steps + 1) // 2)
 
     def _fragments_from_names(self, fragments) -> list[list[int]]:
         pos = {n: i for i, n in enumerate(self.names)}
@@ -249,6 +285,10 @@ class DiLoCo(DPBackend):
                 self._finish(self.pending.pop(f))
                 changed = True
                 done.append(f)
+        if self.compressor is not None:  # the second all-reduce of syncs still in flight
+            for f in sorted(self.pending):
+                if self.pending[f].q_due <= step:
+                    self.pending[f].round.launch_q()
         for f in self.sync_schedule(step):
             sync = self._launch(f, step)
             launched.append(f)
@@ -321,25 +361,30 @@ class DiLoCo(DPBackend):
                                         async_op=self.overlap)
         else:
             rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
-        return _Sync(f, step, step + self.overlap_steps, deltas, rnd)
+        return _Sync(f, step, step + self.overlap_steps, deltas, rnd, self._q_due(step))
 
     def _finish(self, sync: _Sync) -> None:
+        delayed = self._delayed
+        # the delayed rule needs this replica's own pseudo-gradient, which finish() overwrites
+        local = [d.clone() for d in sync.deltas] if delayed else None
         sync.round.finish()  # deltas now hold the DP-averaged pseudo-gradient
         c, mu = self.cfg, self.cfg.outer_momentum
         with torch.no_grad():
-            for i, g in zip(self.fragments[sync.fragment], sync.deltas):
+            for k, (i, g) in enumerate(zip(self.fragments[sync.fragment], sync.deltas)):
                 b = self.backup[i]
                 if self.momentum is not None:
                     buf = self.momentum[i].mul_(mu).add_(g)
                     g = g.add(buf, alpha=mu) if c.nesterov else buf
                 b.sub_(g, alpha=c.outer_lr)
                 p = self.params[i]
-                if self.overlap and self.merge_alpha > 0:
+                if delayed:   # backup_new + (local - local_at_launch)
+                    p.copy_(p.to(torch.float32).add_(local[k]).sub_(g, alpha=c.outer_lr))
+                elif self.overlap and self.merge_alpha > 0:
                     p.copy_(torch.lerp(b, p.to(torch.float32), self.merge_alpha))
                 else:
                     p.copy_(b)
         # replicas agree on this fragment iff it was overwritten by the backup
-        self.dirty[sync.fragment] = self.overlap and self.merge_alpha > 0
+        self.dirty[sync.fragment] = self.overlap and (delayed or self.merge_alpha > 0)
 
     # --- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -348,7 +393,9 @@ class DiLoCo(DPBackend):
             s = self.pending[f]
             rnd = (s.round.state() if self.compressor is not None
                    else [t.clone() for t in s.round.wait_reduced()])
-            pending.append({"fragment": f, "launched": s.launched, "due": s.due, "round": rnd})
+            pending.append({"fragment": f, "launched": s.launched, "due": s.due, "round": rnd,
+                            # the delayed merge rule's own pseudo-gradient (finish overwrites it)
+                            "local": [d.clone() for d in s.deltas] if self._delayed else None})
         return {
             **super().state_dict(),
             "backup": [b.clone() for b in self.backup],
@@ -399,11 +446,18 @@ class DiLoCo(DPBackend):
         for rec in sd["pending"]:
             f = rec["fragment"]
             deltas = [torch.zeros_like(self.backup[i]) for i in self.fragments[f]]
+            if self._delayed:
+                if rec.get("local") is None:
+                    raise ValueError("cannot resume an in-flight sync with twocircuit.dp.merge_rule "
+                                     "\"delayed\" from a checkpoint saved without it")
+                for d, t in zip(deltas, rec["local"]):
+                    d.copy_(t)
             if self.compressor is not None:
                 rnd = self.compressor.restore_round(rec["round"], deltas, self.comm)
             else:
                 rnd = CoalescedMean(deltas, self.comm, flats=rec["round"])
-            self.pending[f] = _Sync(f, rec["launched"], rec["due"], deltas, rnd)
+            self.pending[f] = _Sync(f, rec["launched"], rec["due"], deltas, rnd,
+                                    self._q_due(rec["launched"]))
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -433,3 +487,4 @@ class StreamingDiLoCo(DiLoCo):
         self.num_fragments, self.overlap = c.num_fragments, c.overlap
         self.overlap_steps = c.overlap_steps if c.overlap else 0
         self.merge_alpha = c.merge_alpha if c.overlap else 0.0
+        self.merge_rule = c.merge_rule if c.overlap else "mix"

@@ -105,7 +105,9 @@ class PowerSGDCompressor:
 
     ``reduce_mean_(tensors, keys, comm)`` replaces each tensor in place by its compressed DP mean.
     ``start(...)`` / ``PowerSGDRound.finish()`` split that in two so the first all-reduce (the
-    uncompressed part and P) can overlap other work; the Q all-reduce runs inside ``finish``.
+    uncompressed part and P) can overlap other work; ``PowerSGDRound.launch_q()`` in between puts
+    the second (Q) in flight too, otherwise it runs inside ``finish``. Every replica must call
+    ``launch_q`` at the same point of its sequence of collectives.
     """
 
     def __init__(self, cfg: PowerSGDConfig | dict | None = None):
@@ -133,7 +135,8 @@ class PowerSGDCompressor:
         self.start(tensors, keys, comm, dense=dense).finish()
 
     def restore_round(self, state: dict, tensors, comm: Collective) -> "PowerSGDRound":
-        """Rebuild a round saved by ``PowerSGDRound.state()`` (its first all-reduce done)."""
+        """Rebuild a round saved by ``PowerSGDRound.state()`` (its first all-reduce done, and its
+        second if it was in flight)."""
         return PowerSGDRound(self, list(tensors), list(state["keys"]), comm, state["dense"],
                              False, restored=state)
 
@@ -180,12 +183,15 @@ class PowerSGDRound:
         self.comp_idx = [i for i, r in enumerate(ranks) if r]
         self.ranks = [ranks[i] for i in self.comp_idx]
         unc = [tensors[i] for i, r in enumerate(ranks) if not r]
+        self.qflat, self._q_pending = None, None
         if restored is not None:
             self.unc = CoalescedMean(unc, comm, flats=restored["u"])
             dev = tensors[0].device
             self.ms = [m.to(dev) for m in restored["m"]]
             self.pflat = restored["p"].to(dev)
             self._p_pending = None
+            if restored.get("q") is not None:   # saved with its Q all-reduce done
+                self.qflat = restored["q"].to(dev)
         else:
             numel = sum(t.numel() for t in tensors)
             comp._numel_dense += numel
@@ -248,11 +254,39 @@ class PowerSGDRound:
             self._p_pending.wait()
 
     def state(self) -> dict:
-        """Serializable state after the first all-reduce (see ``restore_round``)."""
+        """Serializable state after the first all-reduce, and after the second if it is in
+        flight (see ``restore_round``)."""
         self.wait_phase1()
+        if self._q_pending is not None:
+            self._q_pending.wait()
+            self._q_pending = None
         return {"keys": list(self.keys), "dense": self.dense,
                 "u": [f.clone() for f in self.unc.flats],
-                "m": [m.clone() for m in self.ms], "p": self.pflat.clone()}
+                "m": [m.clone() for m in self.ms], "p": self.pflat.clone(),
+                "q": None if self.qflat is None else self.qflat.clone()}
+
+    @property
+    def q_launched(self) -> bool:
+        return self.qflat is not None
+
+    def launch_q(self, async_op: bool = True) -> None:
+        """Wait for the first all-reduce, orthogonalize the averaged P, and launch the Q
+        all-reduce (Q = M^T P, from this round's M). The result does not depend on when this is
+        called; only the time the collectives overlap does. A no-op once launched."""
+        if self.q_launched or self.finished:
+            return
+        self.wait_phase1()
+        if not self.ms:
+            return
+        comp = self.comp
+        ps = self._views(self.pflat, 0)
+        for p in ps:
+            orthogonalize_(p, comp.cfg.orthogonalization_epsilon)
+        self.qflat = torch.empty(sum(m.shape[1] * r for m, r in zip(self.ms, self.ranks)),
+                                 dtype=torch.float32, device=self.pflat.device)
+        for m, p, q in zip(self.ms, ps, self._views(self.qflat, 1)):
+            torch.matmul(m.T, p, out=q)
+        self._q_pending = self.comm.all_reduce_sum(self.qflat, async_op)
 
     def finish(self) -> None:
         if self.finished:
@@ -261,15 +295,12 @@ class PowerSGDRound:
         self.unc.wait()
         if self.ms:
             comp, world = self.comp, self.comm.world_size
-            ps = self._views(self.pflat, 0)
-            for p in ps:
-                orthogonalize_(p, comp.cfg.orthogonalization_epsilon)
-            qflat = torch.empty(sum(m.shape[1] * r for m, r in zip(self.ms, self.ranks)),
-                                dtype=torch.float32, device=self.pflat.device)
-            qs = self._views(qflat, 1)
-            for m, p, q in zip(self.ms, ps, qs):
-                torch.matmul(m.T, p, out=q)
-            self.comm.all_reduce_sum(qflat)
+            self.launch_q(async_op=False)
+            if self._q_pending is not None:
+                self._q_pending.wait()
+                self._q_pending = None
+            qflat = self.qflat
+            ps, qs = self._views(self.pflat, 0), self._views(qflat, 1)
             if world > 1:
                 qflat.div_(world)
             for m, p, q, i in zip(self.ms, ps, qs, self.comp_idx):
