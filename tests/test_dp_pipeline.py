@@ -25,8 +25,11 @@ BACKENDS = {
     "allreduce": {"backend": "allreduce"},
     "powersgd": {"backend": "powersgd", "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 1}},
     "diloco": {"backend": "diloco", "inner_steps": 3},
+    # a 2-step overlap window with the delayed merge rule: PowerSGD's P goes out after a sync's
+    # step, its Q one step later, the update lands a step after that (the default "mix" rule runs
+    # through DeepSpeed in tests/test_elastic.py's merge test and every shipped DP config)
     "streaming_diloco": {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
-                         "compression": "powersgd",
+                         "overlap_steps": 2, "merge_rule": "delayed", "compression": "powersgd",
                          "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}},
 }
 
@@ -90,7 +93,8 @@ def test_streaming_diloco_staggers_fragments(runs):
     assert s["dp_replicas_identical"] is True                 # flushed at the end
     # with overlap the last in-flight sync is merged, so both fragments are averaged once more,
     # exactly, at the end: one dense all-reduce of the model (as one all-reduce step sends), plus
-    # the compressed second half (PowerSGD's Q) of the sync that was still in flight
+    # the compressed second half (PowerSGD's Q) of the sync that was still in flight (launched
+    # after step 5, its Q due after step 6)
     dense_step = read_summary(runs["allreduce"])["wire_bytes"]["dp"] // 6
     assert dense_step < s["dp_final_sync_bytes"] < 1.05 * dense_step
     assert s["wire_bytes"]["dp"] < read_summary(runs["allreduce"])["wire_bytes"]["dp"] / 5
@@ -98,7 +102,9 @@ def test_streaming_diloco_staggers_fragments(runs):
 
 @pytest.mark.parametrize("name", ["streaming_diloco"])   # the most state; every backend on 2 simulated
 def test_resume_continues_exactly(tmp_path, runs, name):   # replicas: test_reference_engine
-    first = _train(tmp_path, f"{name}_a", BACKENDS[name], 3, ["--save-checkpoint", "--no-save-model"])
+    # saved after 5 steps: fragment 0's sync (launched after step 3) has its Q all-reduce in flight
+    # (launched after step 4) and lands, with the delayed rule, after step 5 of the resumed run
+    first = _train(tmp_path, f"{name}_a", BACKENDS[name], 5, ["--save-checkpoint", "--no-save-model"])
     resumed = str(tmp_path / f"{name}_b")
     ckpt = os.path.join(first, "checkpoint")
     torchrun(4, ["--model", "tiny", "--deepspeed", _cfg(tmp_path, name, BACKENDS[name]), "--pp", "2",
@@ -108,7 +114,8 @@ def test_resume_continues_exactly(tmp_path, runs, name):   # replicas: test_refe
     again = read_weights(os.path.join(resumed, "hf"))
     for k in straight:
         assert torch.equal(straight[k], again[k]), k
-    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(runs[name])][3:]
+    assert [r["loss"] for r in read_metrics(resumed)] == [r["loss"] for r in read_metrics(runs[name])][5:]
+    assert read_metrics(resumed)[0]["dp.completed_fragments"] == [0]
 
 
 def test_start_up_broadcast_only_when_replicas_differ(tmp_path, runs):
