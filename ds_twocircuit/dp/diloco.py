@@ -206,11 +206,10 @@ def split_fragments(numels, num_fragments: int) -> list[list[int]]:
 class _Sync:
     """One in-flight fragment sync: its pseudo-gradient buffers and the reduction round."""
 
-    def __init__(self, fragment: int, launched: int, due: int, deltas, rnd, q_due: int | None = None):
-        self.fragment, self.launched, self.due, self.deltas, self.round = (
-            fragment, launched, due, deltas, rnd)
-        # PowerSGD: the step after which the second (Q) all-reduce is launched
-        self.q_due = due if q_due is None else q_due
+    def __init__(self, fragment: int, launched: int, due: int, q_due: int, deltas, rnd):
+        # q_due: with PowerSGD, the step after which the second (Q) all-reduce is launched
+        self.fragment, self.launched, self.due, self.q_due, self.deltas, self.round = (
+            fragment, launched, due, q_due, deltas, rnd)
 
 
 class DiLoCo(DPBackend):
@@ -361,7 +360,7 @@ class DiLoCo(DPBackend):
                                         async_op=self.overlap)
         else:
             rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
-        return _Sync(f, step, step + self.overlap_steps, deltas, rnd, self._q_due(step))
+        return _Sync(f, step, step + self.overlap_steps, self._q_due(step), deltas, rnd)
 
     def _finish(self, sync: _Sync) -> None:
         delayed = self._delayed
@@ -456,8 +455,8 @@ class DiLoCo(DPBackend):
                 rnd = self.compressor.restore_round(rec["round"], deltas, self.comm)
             else:
                 rnd = CoalescedMean(deltas, self.comm, flats=rec["round"])
-            self.pending[f] = _Sync(f, rec["launched"], rec["due"], deltas, rnd,
-                                    self._q_due(rec["launched"]))
+            self.pending[f] = _Sync(f, rec["launched"], rec["due"], self._q_due(rec["launched"]),
+                                    deltas, rnd)
 
 
 class StreamingDiLoCo(DiLoCo):
