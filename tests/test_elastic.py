@@ -333,8 +333,9 @@ def test_torchrun_elastic_regroups_on_the_nodes_left_and_takes_a_new_one_in(tmp_
     assert log.count("[ds_twocircuit] rank 2 sits out: 3 ranks make 1 whole pipeline(s) of --pp 2") == 1
     # the line at the loss names the lost rank and the way on without its node
     lost = [l for l in log.splitlines() if l.startswith("[ds_twocircuit] rank ") and "stopped or cannot be reached" in l]
-    assert lost and re.search(r"stopped at step \d+: rank \d \(stage \d, replica \d\) stopped or cannot be reached",
-                              lost[0]), lost[0]
+    # the node may die while a step runs or while a checkpoint is written: both lines name where
+    assert lost and re.search(r"stopped (at step|while writing the checkpoint of step) \d+: "
+                              r"rank \d \(stage \d, replica \d\) stopped or cannot be reached", lost[0]), lost[0]
     assert "resume the 1 replica(s) left with --dp 1" in lost[0]
     resumed = sorted(int(s) for s in re.findall(r"--resume auto: continuing from \S+global_step(\d+)", log))
     assert len(resumed) == 2 and resumed[0] < resumed[1]
