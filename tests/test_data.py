@@ -96,7 +96,7 @@ def test_the_stream_mixes_the_whole_corpus(tok):
     windows are shuffled over the tokenised corpus (issue: 30 steps once saw two files)."""
     train, _ = split_documents(load_documents("deepspeed-cpp"))
     seqs = PackedSequences(train, tok, 128, seed=0)
-    ids = np.asarray(seqs._ids)
+    ids = seqs._ids.array()
     eos = np.flatnonzero(ids == tok.eos_token_id)           # document ends (byte tokenizer: no other eos)
     assert len(eos) == len(train)
     docs_seen = {int(np.searchsorted(eos, seqs.window_index(i) * 128)) for i in range(240)}
@@ -158,6 +158,39 @@ def test_tokenised_cache_is_keyed_by_corpus_and_tokenizer(tmp_path, monkeypatch,
     b = data.tokenize_documents(docs, tok)
     assert len(b) != len(a)
     assert len([p for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir() and not p.name.startswith(".")]) == 2
+
+
+def test_window_order_is_pythons_shuffle_and_is_cached_per_node(tmp_path, monkeypatch):
+    """The training stream's order is random.Random(seed).shuffle (the pinned protocol's numbers
+    were measured with it); the cached copy is the same permutation, read back memory-mapped, and
+    a damaged file is recomputed rather than trusted."""
+    import random
+    monkeypatch.setenv("DS_TWOCIRCUIT_CACHE", str(tmp_path / "cache"))
+    ref = list(range(1000))
+    random.Random(77).shuffle(ref)
+    first = data.window_order(1000, 77)
+    files = list((tmp_path / "cache" / "orders").iterdir())
+    assert [f.suffix for f in files] == [".npy"]                     # one file, no temporary left
+    again = data.window_order(1000, 77)
+    assert isinstance(again, np.memmap)                              # read from the cache
+    assert first.tolist() == again.tolist() == ref
+    assert data.window_order(1000, 78).tolist() != ref               # keyed by the seed
+    assert data.window_order(999, 77).tolist() != ref[:999]          # and by the length
+    files[0].write_bytes(b"not an array")
+    assert data.window_order(1000, 77).tolist() == ref
+
+
+def test_token_chunks_slice_across_chunk_boundaries():
+    """Windows are sliced out of the Arrow file's chunks without concatenating them: a window that
+    straddles two or more chunks is the same tokens as in the concatenated corpus."""
+    arrays = [np.arange(0, 5, dtype=np.int32), np.arange(5, 7, dtype=np.int32), np.zeros(0, np.int32),
+              np.arange(7, 20, dtype=np.int32)]
+    t = data.TokenChunks(arrays=arrays)
+    whole = np.arange(20, dtype=np.int32)
+    assert len(t) == 20 and np.array_equal(t.array(), whole)
+    for k in range(20):
+        for n in range(1, 21 - k):
+            assert np.array_equal(t.slice(k, n), whole[k:k + n]), (k, n)
 
 
 def test_heldout_windows_are_fixed_and_spread(tok):
