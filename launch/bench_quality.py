@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +52,10 @@ def parse(argv=None):
     p.add_argument("--save-dir", default=None,
                    help="keep each trained model as a Hugging Face folder <save-dir>/<label>_<data>_seed<S>")
     p.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "quality"))
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's checkpoint folder (default: removed once its row is "
+                        "written; a SmolLM2 run on PP 2 x DP 2 keeps 7-13 GB; a run cut short keeps its "
+                        "checkpoint and continues from it)")
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--baseline", default=BASELINE, help="the config the others are compared with")
     p.add_argument("--report", action="store_true", help="build the JSON/Markdown/PNG from the results")
@@ -167,6 +172,8 @@ def run(args) -> None:
                 os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
                 with open(args.results, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                if not args.keep_checkpoints:   # the row is written: the run is done
+                    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
                 print(f"[bench_quality] {label} {data} seed {seed}: held-out {row['heldout_loss']:.4f} "
                       f"(coded {row['heldout_loss_coded']}), {row['pp_bytes_per_token']} bytes/token/direction",
                       flush=True)

@@ -24,6 +24,8 @@ def test_rows_come_from_the_trainer_on_the_config_files(tmp_path):
     assert [(r["label"], r["seed"]) for r in rows] == [
         ("dense", 0), ("dense", 1), ("lowrank twocircuit.codec.groups=[[16,4]]", 0),
         ("lowrank twocircuit.codec.groups=[[16,4]]", 1)]
+    runs = sorted(os.listdir(tmp_path / "runs"))
+    assert len(runs) == 4 and all((tmp_path / "runs" / r / "summary.json").is_file() for r in runs)
     dense, coded = rows[0], rows[2]
     assert dense["config"] == "ds_configs/dense.json" and coded["overrides"] == ["twocircuit.codec.groups=[[16,4]]"]
     import shlex
@@ -77,21 +79,28 @@ def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"
 
 
-def test_a_study_cut_short_resumes_and_its_row_is_the_whole_run(tmp_path):
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_study_cut_short_resumes_and_its_row_is_the_whole_run(tmp_path, keep):
     """A run that stopped after a checkpoint continues (--resume auto) and its row reports the whole
-    run (steps, tokens) with the step it resumed from; a run of another protocol is not continued."""
+    run (steps, tokens) with the step it resumed from; a run of another protocol is not continued.
+    Once its row is written, the run's checkpoint folder is removed (gigabytes per SmolLM2 run)
+    unless --keep-checkpoints."""
     from ds_twocircuit import train
     results, work = tmp_path / "q.jsonl", tmp_path / "runs"
-    args = bq.parse(["--configs", "dense", "--seeds", "0", *SMALL, "--results", str(results), "--work-dir", str(work)])
+    args = bq.parse(["--configs", "dense", "--seeds", "0", *SMALL, "--results", str(results), "--work-dir", str(work),
+                     *(["--keep-checkpoints"] if keep else [])])
     config = os.path.join(ROOT, "ds_configs", "dense.json")
     out = os.path.join(str(work), "dense_deepspeed-cpp_seed0_tiny_s2_l32_pp2_dp1")
     argv = bq.train_argv(args, config, 0, "deepspeed-cpp", out)
     argv[argv.index("--steps") + 1] = "1"
     assert train.run([*argv, "--save-checkpoint"]) == 0               # the first step, then "cut short"
+    assert os.path.isdir(os.path.join(out, "checkpoint", "global_step1"))
     bq.run(args)
     row = json.loads(results.read_text().splitlines()[-1])
     assert row["steps"] == 2 and row["first_step"] == 1 and row["tokens"] == 2 * 2 * 4 * 32
     assert [c["step"] for c in row["curve"]] == [0, 1, 2]   # the whole run's held-out curve
+    assert os.path.isdir(os.path.join(out, "checkpoint", "global_step1")) is keep
+    assert os.path.isfile(os.path.join(out, "summary.json"))                  # the run's record stays
 
 
 def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(tmp_path):
