@@ -9,17 +9,20 @@
    Llama-1B-shaped decoder layers in bf16, as a share.
 4. The low-rank codec on CUDA: the same wire bytes as on the CPU, and the same reconstruction up to
    float rounding (the basis is an eigendecomposition: computed on each device from the same data).
-5. A one-process training run (``--pp 1``) of the default model through DeepSpeed's own launcher,
-   on NCCL (every collective of the summary on the GPU).
-6. The eval CLI on CUDA on that run's model (held-out code perplexity).
+5. One-process training runs (``--pp 1``) of the model through DeepSpeed's own launcher, on NCCL
+   (every collective of the summary on the GPU), in fp32 and in bf16 (``--set bf16.enabled=true``,
+   DeepSpeed's BF16 optimizer), the same seed, data and held-out tokens.
+6. The eval CLI on CUDA on the bf16 run's model (held-out code perplexity).
 
     python launch/gpu_check.py --out docs/benchmarks/gpu_check.json
+    python launch/gpu_check.py --sections train,eval --model tiny --out ... --update   # one part only
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,11 +36,44 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--model", default="smollm2-135m", help="model of the training runs (train.py --model)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each training run")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of: {', '.join(SECTIONS)}")
+    p.add_argument("--update", action="store_true", help="merge into --out's existing JSON instead of replacing it")
     args = p.parse_args()
+    sections = [x for x in args.sections.split(",") if x]
+    bad = sorted(set(sections) - set(SECTIONS))
+    if bad:
+        sys.exit(f"--sections: unknown {', '.join(bad)}; allowed: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this script checks the GPU path")
     dev = torch.device("cuda")
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    res = {}
+    if args.update and args.out and os.path.isfile(args.out):
+        res = json.load(open(args.out))
+    res.update({"device": torch.cuda.get_device_name(0), "torch": torch.__version__})
+    commands = res.setdefault("commands", [])
+    commands.append("python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
+    if "codec" in sections:
+        res.update(_codec_checks(torch, dev, masks, Message, build_codec, RandomMaskCodec))
+    if "lowrank" in sections:
+        res["lowrank_codec"] = _lowrank_check(torch, dev)
+    if "train" in sections:
+        runs = res.setdefault("train_pp1_nccl", {})
+        for dtype in ("fp32", "bf16"):
+            runs[f"{args.model}_{dtype}"], run_dir = _train_run(args.model, dtype, args.steps)
+            print(json.dumps(runs[f"{args.model}_{dtype}"], indent=2), flush=True)
+        if "eval" in sections:
+            res.setdefault("eval_cli_cuda", {})[args.model] = _eval_run(run_dir)
+    print(json.dumps(res, indent=2))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        json.dump(res, open(args.out, "w"), indent=2)
+
+
+def _codec_checks(torch, dev, masks, Message, build_codec, RandomMaskCodec):
+    res = {}
 
     same = True
     for (seed, b, step, mb, H, T, K) in [(0, 0, 0, 0, 576, 256, 29), (7, 1, 123, 5, 2048, 2048, 102),
@@ -108,13 +144,7 @@ def main():
     stage_s = timed(stage, reps=5)
     res["llama1b"] = {"hidden": H, "seq_len": T, "keep": keep, "codec_s": round(codec_s, 6),
                       "stage_8_layers_fwd_bwd_s": round(stage_s, 6), "overhead_share": round(codec_s / stage_s, 5)}
-    res["lowrank_codec"] = _lowrank_check(torch, dev)
-    res["train_pp1_nccl"], run_dir = _train_run()
-    res["eval_cli_cuda"] = _eval_run(run_dir)
-    print(json.dumps(res, indent=2))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        json.dump(res, open(args.out, "w"), indent=2)
+    return res
 
 
 def _lowrank_check(torch, dev):
@@ -135,25 +165,37 @@ def _lowrank_check(torch, dev):
             "reconstruction_rel_err_cpu": err, "ok": nbytes[0] == nbytes[1] and rel < 1e-2}
 
 
-def _train_run():
+def _launcher() -> list[str]:
+    """DeepSpeed's launcher: the ``deepspeed`` script beside this Python, on PATH, or its module."""
+    here = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if os.path.isfile(here):
+        return [here]
+    found = shutil.which("deepspeed")
+    return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def _train_run(model: str, dtype: str, steps: int):
     import subprocess
     import tempfile
+    import time
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "run")
-    ds = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [ds, "--num_gpus", "1", os.path.join(root, "launch", "train.py"), "--deepspeed",
-           os.path.join(root, "ds_configs", "lowrank.json"), "--pp", "1", "--steps", "5", "--output-dir", out,
-           "--eval-sequences", "8"]
+    cmd = _launcher() + ["--num_gpus", "1", os.path.join(root, "launch", "train.py"), "--deepspeed",
+                         os.path.join(root, "ds_configs", "lowrank.json"), "--pp", "1", "--steps", str(steps),
+                         "--model", model, "--output-dir", out, "--eval-sequences", "32"]
+    if dtype == "bf16":
+        cmd += ["--set", "bf16.enabled=true"]
+    t0 = time.time()
     p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800)
-    rec = {"command": " ".join(cmd), "returncode": p.returncode}
+    rec = {"command": " ".join(cmd), "returncode": p.returncode, "process_wall_s": round(time.time() - t0, 1)}
     if p.returncode != 0:
-        rec["stderr_tail"] = p.stderr[-3000:]
+        rec["stderr_tail"] = (p.stdout + p.stderr)[-3000:]
         return rec, None
     summary = json.load(open(os.path.join(out, "summary.json")))
     rec.update({"nccl": "nccl" in (p.stdout + p.stderr).lower(), "steps": summary["steps"],
                 "loss_first": summary["loss_first"], "loss_last": summary["loss_last"],
                 "heldout_loss_first": summary.get("heldout_loss_first"), "heldout_loss": summary.get("heldout_loss"),
-                "tokens_per_s": summary["tokens_per_s"]})
+                "heldout_loss_se": summary.get("heldout_loss_se"), "tokens_per_s": summary["tokens_per_s"]})
     return rec, out
 
 
@@ -170,10 +212,15 @@ def _eval_run(run_dir):
     if p.returncode == 0 and os.path.isfile(res_path):
         r = json.load(open(res_path))
         rec["device"] = r.get("settings", {}).get("device")
+        ck = r["checkpoints"][0]
+        rec["dtype"] = ck["checkpoint"].get("dtype")
+        rec["code_ppl"] = {k: ck["runs"][0]["tasks"]["code-ppl"].get(k) for k in ("loss", "perplexity", "tokens")}
     else:
-        rec["stderr_tail"] = p.stderr[-3000:]
+        rec["stderr_tail"] = (p.stdout + p.stderr)[-3000:]
     return rec
 
+
+SECTIONS = ("codec", "lowrank", "train", "eval")
 
 if __name__ == "__main__":
     main()
