@@ -248,13 +248,14 @@ def check_deepspeed_section(ds: dict, pp: int, path: str = "<config>") -> None:
                           f"parallelism (pp = {pp}); DeepSpeed allows ZeRO stage 0 or 1 with pipelines")
 
 
-def apply_overrides(ds: dict, overrides: list[str], where: str = "--set") -> dict:
+def apply_overrides(ds: dict, overrides: list[str], where: str = "--set", known=None) -> dict:
     """``ds`` (a DeepSpeed config dict) with each ``KEY=VALUE`` of ``overrides`` applied: ``KEY`` a
     dotted path (``twocircuit.codec.groups``, ``optimizer.params.lr``), ``VALUE`` JSON (``[[112,4]]``,
     ``0.5``, ``true``, ``"bf16"``) or, if it is not JSON, a plain string. Missing objects on the path
     are created; the result is validated as any config file is. Returns a new dict; a key it adds
     outside ``twocircuit`` (whose keys are all checked) gets a warning, since DeepSpeed ignores keys
-    it does not know (``gradient_cliping`` would change nothing)."""
+    it does not know (``gradient_cliping`` would change nothing), unless ``known(keys)`` says
+    DeepSpeed reads that path (``adapters.dsconfig.deepspeed_knows``: ``bf16.enabled``)."""
     import warnings
     out = json.loads(json.dumps(ds))
     for item in overrides:
@@ -279,7 +280,8 @@ def apply_overrides(ds: dict, overrides: list[str], where: str = "--set") -> dic
             node = nxt
         created = created or keys[-1] not in node
         node[keys[-1]] = value
-        if created and keys[0] != "twocircuit":
-            warnings.warn(f"{where} {item!r} adds {path}, which the config did not have: check its spelling "
-                          "(DeepSpeed ignores keys it does not know)", stacklevel=2)
+        if created and keys[0] != "twocircuit" and not (known and known(keys)):
+            warnings.warn(f"{where} {item!r} adds {path}, which the config did not have and DeepSpeed does not "
+                          "name: check its spelling (DeepSpeed ignores keys it does not know)", stacklevel=2)
     return out
+

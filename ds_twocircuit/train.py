@@ -173,7 +173,8 @@ def make_plan(args, world_size: int) -> Plan:
 
     from .config import apply_overrides
     args.config = resolve_config(args.config)
-    ds = apply_overrides(load_ds_config(args.config), getattr(args, "overrides", []) or [])
+    from .adapters.dsconfig import deepspeed_knows
+    ds = apply_overrides(load_ds_config(args.config), getattr(args, "overrides", []) or [], known=deepspeed_knows)
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     tc = TwoCircuitConfig.from_dict(ds.pop("twocircuit", {}))
     anchor = tc.anchor

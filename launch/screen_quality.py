@@ -39,7 +39,8 @@ def load_twocircuit(config: str, overrides: list[str]):
     """(label, TwoCircuitConfig) of a config file (or shipped name) with ``overrides`` applied."""
     from ds_twocircuit.config import TwoCircuitConfig, apply_overrides, load_ds_config, resolve_config
     path = resolve_config(config if config.endswith(".json") or "/" in config else f"{config}.json")
-    ds = apply_overrides(load_ds_config(path), overrides)
+    from ds_twocircuit.adapters.dsconfig import deepspeed_knows
+    ds = apply_overrides(load_ds_config(path), overrides, known=deepspeed_knows)
     label = os.path.splitext(os.path.basename(path))[0] + "".join(f" {o}" for o in overrides)
     return label, path, TwoCircuitConfig.from_dict(ds.get("twocircuit"))
 

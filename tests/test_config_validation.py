@@ -276,3 +276,32 @@ def test_lowrank_codec_wider_than_the_boundary_is_refused_before_start(tmp_path)
                                           r"wide; use at most 64 \(e\.g\. \"groups\": \[\[64, 4\]\]\)"):
         _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "lowrank.json")])
     assert _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "lowrank.json"), "--pp", "1"], world=1).pp == 1
+
+
+def test_set_warns_only_for_keys_deepspeed_does_not_name(tmp_path):
+    """--set bf16.enabled=true (how a GPU user turns bf16 on) adds a key DeepSpeed reads: no spelling
+    warning; a misspelt section or field still warns, and the value lands either way."""
+    import warnings
+    from ds_twocircuit.adapters.dsconfig import deepspeed_knows
+    from ds_twocircuit.config import apply_overrides
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    for good in ("bf16.enabled=true", "fp16.loss_scale=0", "gradient_clipping=0.5", "wall_clock_breakdown=true",
+                 "zero_optimization.overlap_comm=true", "optimizer.params.weight_decay=0.1",
+                 "activation_checkpointing.partition_activations=true"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = apply_overrides(base, [good], known=deepspeed_knows)
+        key, value = good.split("=")
+        node = out
+        for k in key.split("."):
+            node = node[k]
+        assert node == json.loads(value)
+    for bad in ("bf61.enabled=true", "bf16.enable=true", "gradient_cliping=1.0", "zero_optimization.overlap_com=true",
+                "optimizer.parms.lr=1"):
+        with pytest.warns(UserWarning, match="check its spelling"):
+            apply_overrides(base, [bad], known=deepspeed_knows)
+    # the driver passes DeepSpeed's names: a GPU user's --set bf16.enabled=true reaches the plan silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--set", "bf16.enabled=true"])
+    assert plan.ds_config["bf16"] == {"enabled": True}
