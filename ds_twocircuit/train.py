@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline (default): DeepSpeed's pipeline, one process per stage and replica; "
                         "reference: the same config in one process (the whole model, the codec at the "
                         "--pp stage boundaries, --dp replicas and the anchor simulated; for studies)")
+    p.add_argument("--device", default="cpu",
+                   help="--engine reference only: where its one process computes, cpu (default) or cuda[:N] "
+                        "(the pipeline engine computes on the accelerator DeepSpeed's launcher assigns)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="also score the held-out windows every N steps (summary.json heldout_curve; 0: "
                         "start and end only)")
@@ -166,6 +169,20 @@ def _batch_setting(ds: dict, key: str, flag_value, default: int, path: str) -> i
     return v
 
 
+def _check_device(name: str) -> None:
+    import torch
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: not a device; use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r}: the reference engine computes on cpu or cuda[:N]")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"--device {name!r}: no such CUDA device here "
+                          f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
+
+
 def make_plan(args, world_size: int) -> Plan:
     from .data import load_documents, split_documents
     from .models.layers import ModelSpec
@@ -205,6 +222,10 @@ def make_plan(args, world_size: int) -> Plan:
         z, anchor_ranks, dp = 0, 0, args.dp or 1
         if dp < 1:
             raise ConfigError(f"--dp must be >= 1, got {dp}")
+        _check_device(getattr(args, "device", "cpu"))
+    elif getattr(args, "device", "cpu") != "cpu":
+        raise ConfigError(f"--device {args.device}: only --engine reference takes a device; the pipeline engine "
+                          "computes on the accelerator DeepSpeed's launcher assigns each rank")
     elif args.anchor_only:
         if world_size % pp:
             raise ConfigError(f"--anchor-only: {world_size} processes are not a multiple of --pp {pp}")

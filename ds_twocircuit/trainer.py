@@ -401,7 +401,7 @@ class Trainer:
                        "model_folder": plan.model_folder, "data": args.data, "seq_len": args.seq_len,
                        "micro_batch_size": plan.mb, "gradient_accumulation_steps": plan.gas,
                        "optimizer": {"type": plan.optimizer[0], **plan.optimizer[1]}, "seed": args.seed,
-                       "mask_seed": engine.mask_seed},
+                       "mask_seed": engine.mask_seed, "device": str(getattr(engine, "device", "accelerator"))},
             "engine": engine.kind,
             "pace_mbit": pacing.current().mbit if pacing.current() is not None else None,
             "steps": steps_run, "first_step": start_step, "tokens": tokens, "wall_s": round(wall, 3),

@@ -47,6 +47,11 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--pp", type=int, default=2, help="stages: the boundaries a pp-stage pipeline has")
     p.add_argument("--dp", type=int, default=1, help="DP replicas (simulated in one process)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per micro-batch (default: the config's); with --grad-accum, the same "
+                        "tokens a step in fewer, larger micro-batches (a GPU's fast layout)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default: the config's)")
+    p.add_argument("--device", default="cpu", help="where the reference engine computes: cpu (default) or cuda[:N]")
     p.add_argument("--eval-sequences", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=0, help="a held-out point every N steps (0: start and end)")
     p.add_argument("--save-dir", default=None,
@@ -88,6 +93,12 @@ def train_argv(args, config: str, seed: int, data: str, out: str) -> list[str]:
             "--resume", "auto"]   # a study cut short continues from the run's last checkpoint
     if args.eval_every:
         argv += ["--eval-every", str(args.eval_every)]
+    if args.micro_batch_size:
+        argv += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.grad_accum:
+        argv += ["--grad-accum", str(args.grad_accum)]
+    if args.device != "cpu":
+        argv += ["--device", args.device]
     if not args.save_dir:
         argv.append("--no-save-model")
     for o in args.overrides:
@@ -114,6 +125,9 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
         "domain": summary["data"]["spec"], "data_fingerprint": summary["data"]["fingerprint"],
         "steps": steps, "first_step": summary["first_step"], "tokens": tokens, "dp": summary["mesh"]["dp"],
         "pp": summary["mesh"]["pp"],
+        "micro_batch_size": summary["config"].get("micro_batch_size"),
+        "gradient_accumulation_steps": summary["config"].get("gradient_accumulation_steps"),
+        "device": summary["config"].get("device", "cpu"),
         "codec": summary["codec"], "dp_backend": summary["dp_backend"],
         "anchor": (summary["config"]["twocircuit"]["anchor"]["correction"]
                    if summary["config"]["twocircuit"]["anchor"]["enabled"] else None),
@@ -153,7 +167,9 @@ def run(args) -> None:
             label = label_of(config, args.overrides, args.label)
             for seed in seeds:
                 # the whole protocol in the run's folder: --resume auto only ever continues the same run
-                proto = f"{args.model}_s{args.steps}_l{args.seq_len}_pp{args.pp}_dp{args.dp}"
+                proto = f"{args.model}_s{args.steps}_l{args.seq_len}_pp{args.pp}_dp{args.dp}" + (
+                    f"_mb{args.micro_batch_size}" if args.micro_batch_size else "") + (
+                    f"_ga{args.grad_accum}" if args.grad_accum else "")
                 tag = f"{label.replace(' ', '_').replace('/', '_')}_{data}_seed{seed}"[:100] + "_" + proto
                 out = os.path.join(args.save_dir or args.work_dir, tag)   # <out>/hf: the model
                 argv = train_argv(args, _rel(config), seed, data, _rel(out))

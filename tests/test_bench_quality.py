@@ -130,3 +130,22 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
     assert table.startswith("# Full stack") and "| 200.0 / 50.0 |" in table and "| 1 (the baseline) |" in table
+
+
+def test_the_gpu_layout_is_the_same_tokens_in_fewer_micro_batches(tmp_path):
+    """--micro-batch-size 8 --grad-accum 1 (how a GPU screen runs) trains the same 8 sequences a step as
+    the config's 2 x 4: the rows record the layout and the device, the run folders differ, and the
+    held-out loss after two steps agrees with the 2 x 4 run's up to float rounding (the same mean
+    gradient, summed in another order)."""
+    results = tmp_path / "q.jsonl"
+    common = [*SMALL, "--results", str(results), "--work-dir", str(tmp_path / "runs"), "--configs", "dense"]
+    bq.main([*common, "--label", "dense_2x4"])
+    bq.main([*common, "--label", "dense_8x1", "--micro-batch-size", "8", "--grad-accum", "1", "--device", "cpu"])
+    a, b = [json.loads(line) for line in results.read_text().splitlines()]
+    assert (a["micro_batch_size"], a["gradient_accumulation_steps"]) == (2, 4)
+    assert (b["micro_batch_size"], b["gradient_accumulation_steps"]) == (8, 1)
+    assert a["device"] == b["device"] == "cpu"
+    assert a["tokens"] == b["tokens"] == 2 * 8 * 32
+    assert "--micro-batch-size 8 --grad-accum 1" in b["command"] and "--device" not in b["command"]
+    assert len(os.listdir(tmp_path / "runs")) == 2
+    assert abs(a["heldout_loss"] - b["heldout_loss"]) < 1e-4 and a["heldout_loss"] != a["heldout_loss_base"]

@@ -305,3 +305,17 @@ def test_set_warns_only_for_keys_deepspeed_does_not_name(tmp_path):
         warnings.simplefilter("error", UserWarning)
         plan = _plan(tmp_path, ["--deepspeed", os.path.join(CONFIGS, "m95.json"), "--set", "bf16.enabled=true"])
     assert plan.ds_config["bf16"] == {"enabled": True}
+
+
+def test_device_is_the_reference_engines_and_must_exist(tmp_path):
+    """--device names where --engine reference computes; the pipeline engine takes the launcher's
+    accelerator, and a CUDA device that is not there fails before any model is loaded."""
+    with pytest.raises(ConfigError, match=r"--device 'cuda:99': no such CUDA device here"):
+        _plan(tmp_path, ["--engine", "reference", "--device", "cuda:99"], world=1)
+    with pytest.raises(ConfigError, match=r"only --engine reference takes a device"):
+        _plan(tmp_path, ["--device", "cuda"])
+    with pytest.raises(ConfigError, match=r"not a device"):
+        _plan(tmp_path, ["--engine", "reference", "--device", "gpu0"], world=1)
+    plan = _plan(tmp_path, ["--engine", "reference", "--device", "cpu", "--deepspeed",
+                            os.path.join(CONFIGS, "m95.json")], world=1)
+    assert plan.args.device == "cpu"

@@ -198,7 +198,8 @@ class ReferenceEngine:
         self.mask_seed = tc.mask_seed if tc.mask_seed is not None else plan.args.seed
         self.clip = float(ds.get("gradient_clipping") or 0.0)
         torch.manual_seed(plan.args.seed)
-        base = _load_model(plan)
+        self.device = torch.device(getattr(plan.args, "device", "cpu") or "cpu")
+        base = _load_model(plan).to(self.device)
         self.group = InProcessGroup(plan.dp) if plan.dp > 1 else None
         self.replicas: list[_Replica] = []
         # every copy before any hook: a deep copy would carry the first replica's boundary hooks
@@ -280,7 +281,7 @@ class ReferenceEngine:
             rep.masker.dense = clean      # a clean step: dense boundaries, counted as the engine sends them
             total = 0.0
             for m in range(gas):
-                x, y = next(rep.stream)
+                x, y = (t.to(self.device) for t in next(rep.stream))
                 rep.masker.set_message(step, r * gas + m)
                 loss = causal_lm_loss(rep.model(input_ids=x).logits, y)
                 (loss / gas).backward()
@@ -318,7 +319,7 @@ class ReferenceEngine:
                 rep.model.eval()
                 rep.masker.dense = dense   # dense evaluation: uncoded, in the wire dtype, counted as pp_eval
                 for m in range(p.gas):
-                    x, y = next(streams[r])
+                    x, y = (t.to(self.device) for t in next(streams[r]))
                     rep.masker.set_message(EVAL_STEP_OFFSET + self.global_steps, r * p.gas + m)
                     total += float(causal_lm_loss(rep.model(input_ids=x).logits, y))
                 rep.masker.dense = False
@@ -333,6 +334,7 @@ class ReferenceEngine:
     # -------------------------------------------------------------- state
     def _state(self) -> dict:
         return {"global_steps": self.global_steps, "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
                 "replicas": [{"model": rep.model.state_dict(), "optimizer": rep.optimizer.state_dict(),
                               "dp_backend": rep.backend.state_dict(),
                               "codecs": {b: (pair[0].state_dict(), pair[1].state_dict())
@@ -398,6 +400,8 @@ class ReferenceEngine:
                 send.load_state_dict(s_send)
                 recv.load_state_dict(s_recv)
         torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.global_steps = state["global_steps"]
         self._resumed_anchor = state.get("anchor")
         return self.global_steps
