@@ -195,6 +195,16 @@ class PacedComm:
         done_at = self.link.book(self._bytes(t))
         return PacedWork(self.inner.all_reduce_sum(t, async_op=True), self.link, done_at)
 
+    def all_gather_into(self, out, t, async_op: bool = False):
+        from .wire import ring_allgather_bytes, tensor_bytes
+        nbytes = ring_allgather_bytes(tensor_bytes(t), self.world_size)
+        if not async_op:
+            self.inner.all_gather_into(out, t)
+            self.link.send(nbytes)
+            return None
+        done_at = self.link.book(nbytes)
+        return PacedWork(self.inner.all_gather_into(out, t, async_op=True), self.link, done_at)
+
 
 _pacer: Pacer | None = None
 _configured = False

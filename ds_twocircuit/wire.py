@@ -53,6 +53,11 @@ def ring_allreduce_bytes(payload_bytes: int, world: int) -> int:
     return (2 * (world - 1) * payload_bytes) // world
 
 
+def ring_allgather_bytes(payload_bytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-gather where each rank contributes ``payload_bytes``."""
+    return (world - 1) * payload_bytes if world > 1 else 0
+
+
 def totals() -> dict[str, int]:
     with _lock:
         return {k: int(_bytes.get(k, 0)) for k in KINDS}

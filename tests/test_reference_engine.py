@@ -97,11 +97,14 @@ def test_delayed_ef_pairs_a_dense_gradient_clipped_like_the_fast_step(tmp_path, 
     assert len(norms) == 2 and min(norms) > 0.05                    # unclipped: far above it
 
 
-@pytest.mark.parametrize("backend", ["allreduce", "streaming_diloco"])
+@pytest.mark.parametrize("backend", ["allreduce", "streaming_diloco", "streaming_diloco_quant"])
 def test_resume_is_bit_exact(tmp_path, backend):
     dp = {"backend": "allreduce"} if backend == "allreduce" else {
         "backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2, "compression": "powersgd",
         "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}}
+    if backend == "streaming_diloco_quant":   # 2-bit pseudo-gradients: residuals and an all-gather in flight at the save
+        dp = {"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2, "compression": "quant",
+              "quant": {"bits": 2, "block": 16}}
     cfg = _config(tmp_path, dp=dp)
     extra = ["--dp", "2"]
     full, full_loss, full_out = _run(tmp_path, cfg, "full", steps=4, extra=extra)

@@ -11,13 +11,14 @@ A backend replaces DeepSpeed's own DP gradient all-reduce (switched off by the e
 backends use, so a resumed run must pass the same numbers.
 
 Invariants kept by every backend here:
-  * every collective is an all-reduce over the DP ``group`` and is counted in
-    :mod:`ds_twocircuit.wire` as kind ``"dp"`` with the bytes this rank sends in a ring all-reduce;
+  * every collective is an all-reduce (or, for quantised pseudo-gradients, an all-gather) over the
+    DP ``group`` and is counted in :mod:`ds_twocircuit.wire` as kind ``"dp"`` with the bytes this
+    rank sends in a ring all-reduce (all-gather);
   * nothing non-finite is ever reduced: one fused finiteness check per step runs before the first
     collective and raises :class:`NonFiniteGradientError` (naming the step and the parameter), so a
     NaN/inf never reaches the other replicas.
 
-Transport: a :class:`Communicator` (world size, rank, in-place sum all-reduce). The adapters
+Transport: a :class:`Communicator` (world size, rank, in-place sum all-reduce, all-gather). The adapters
 implement it with ``torch.distributed`` (:class:`ds_twocircuit.adapters.comm.TorchComm`); nothing
 here imports ``torch.distributed`` or DeepSpeed.
 """
@@ -107,11 +108,20 @@ class Communicator:
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
         raise NotImplementedError
 
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """Fill the flat ``out`` (``world_size * t.numel()`` elements) with every replica's ``t``
+        in rank order; returns as :meth:`all_reduce_sum` does."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-gather")
+
 
 class LocalComm(Communicator):
     """The world of one replica: nothing to reduce."""
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
+        return None
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        out.copy_(t.reshape(-1))
         return None
 
 
@@ -136,6 +146,25 @@ class Collective:
             self.stats["comm_s"] += time.perf_counter() - t0
             return Pending()
         return Pending(self.stats, self.comm.all_reduce_sum(t, async_op=True), t0)
+
+    def all_gather(self, t: torch.Tensor, async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+        """Every replica's ``t`` (flat) as rows of a ``(world_size, t.numel())`` tensor, rank order;
+        counted as the bytes this rank sends in a ring all-gather."""
+        out = torch.empty(self.world_size, t.numel(), dtype=t.dtype, device=t.device)
+        nbytes = wire.ring_allgather_bytes(wire.tensor_bytes(t), self.world_size)
+        wire.count("dp", nbytes, messages=1 if self.world_size > 1 else 0)
+        if self.world_size == 1:
+            out[0].copy_(t.reshape(-1))
+            return out, Pending()
+        self.stats["bytes_sent"] += nbytes
+        self.stats["collectives"] += 1
+        t0 = time.perf_counter()
+        flat = out.view(-1)
+        if not async_op:
+            self.comm.all_gather_into(flat, t.reshape(-1).contiguous())
+            self.stats["comm_s"] += time.perf_counter() - t0
+            return out, Pending()
+        return out, Pending(self.stats, self.comm.all_gather_into(flat, t.reshape(-1).contiguous(), async_op=True), t0)
 
     def pop_stats(self) -> dict:
         s, self.stats = self.stats, _empty_stats()

@@ -7,7 +7,8 @@ Free Lunch" (2025).  Design after torchft's ``local_sgd.DiLoCo`` (backup copy, f
 Invariant: **the backup copy is the last globally agreed weights** (per fragment, fp32, the same
 on every replica).  Each replica runs inner steps on its own gradients (``reduce_gradients`` is a
 no-op); when fragment f is due, this rank's pseudo-gradient ``delta = backup - local`` is averaged
-over the DP group (plain all-reduce, or PowerSGD-compressed with ``compression: "powersgd"``), the
+over the DP group (plain all-reduce, PowerSGD-compressed with ``compression: "powersgd"``, or
+quantised and all-gathered with ``compression: "quant"``, :mod:`ds_twocircuit.dp.quantmean`), the
 outer optimizer (SGD with momentum ``outer_momentum``, Nesterov if ``nesterov``, lr ``outer_lr``;
 the same update rule as ``torch.optim.SGD``) updates the backup, and the backup is written into the
 live parameters.  Without overlap all replicas then hold identical weights for that fragment.
@@ -57,6 +58,7 @@ from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
 from ds_twocircuit.dp.config import (BackendConfig, RunSettings, boolean, float_in, int_in, nested,
                                      setting)
 from ds_twocircuit.dp.powersgd import PowerSGDCompressor, PowerSGDConfig
+from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean
 
 # after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
 # them from its fp32 masters on the next step, silently undoing every outer update
@@ -76,8 +78,8 @@ def _merge_rule(v, name):
 
 
 def _compression(v, name):
-    if v not in (None, "powersgd"):
-        raise ConfigError(f"{name} must be null or \"powersgd\", got {v!r}")
+    if v not in (None, "powersgd", "quant"):
+        raise ConfigError(f"{name} must be null, \"powersgd\" or \"quant\", got {v!r}")
     return v
 
 
@@ -93,11 +95,14 @@ class DiLoCoConfig(BackendConfig):
         "outer_lr": float > 0                [0.7]
         "outer_momentum": float in [0, 1)    [0.9]
         "nesterov": bool                     [true]
-        "compression": null | "powersgd"     [null]  of the pseudo-gradients
+        "compression": null | "powersgd" | "quant"   [null]  of the pseudo-gradients
         "powersgd": {...}                    only with compression "powersgd" (PowerSGDConfig)
+        "quant": {...}                       only with compression "quant" (QuantConfig: bits,
+                                             block, error_feedback)
     """
     backend: str = "diloco"
     powersgd: PowerSGDConfig = setting(default_factory=PowerSGDConfig, check=nested(PowerSGDConfig))
+    quant: QuantConfig = setting(default_factory=QuantConfig, check=nested(QuantConfig))
     inner_steps: int = setting(10, check=int_in(1))
     outer_lr: float = setting(0.7, check=float_in(0.0, lo_open=True))
     outer_momentum: float = setting(0.9, check=float_in(0.0, 1.0, hi_open=True))
@@ -105,9 +110,10 @@ class DiLoCoConfig(BackendConfig):
     compression: str | None = setting(None, check=_compression)
 
     def check_consistency(self, given: frozenset, prefix: str) -> None:
-        if "powersgd" in given and self.compression != "powersgd":
-            raise ConfigError(f"{key(prefix, 'powersgd')} is set but {key(prefix, 'compression')} "
-                              "is null; set compression: \"powersgd\" or remove the powersgd block")
+        for block in ("powersgd", "quant"):
+            if block in given and self.compression != block:
+                raise ConfigError(f"{key(prefix, block)} is set but {key(prefix, 'compression')} is "
+                                  f"{self.compression!r}; set compression: \"{block}\" or remove the {block} block")
 
     def sync_schedule(self) -> tuple[int, int, int]:
         """The whole model every H steps, blocking."""
@@ -234,6 +240,10 @@ class DiLoCo(DPBackend):
         self.momentum = ([torch.zeros_like(b) for b in self.backup]
                          if c.outer_momentum > 0 else None)
         self.compressor = PowerSGDCompressor(c.powersgd) if c.compression == "powersgd" else None
+        self.quant = c.quant if c.compression == "quant" else None
+        # this replica's quantisation residuals (error feedback), one per parameter, fp32
+        self.quant_errors = ([torch.zeros_like(b) for b in self.backup]
+                             if self.quant is not None and self.quant.error_feedback else None)
         self.pending: dict[int, _Sync] = {}
         self.last_step = -1
         # fragments whose live weights may differ between replicas (local steps since their last
@@ -347,6 +357,8 @@ class DiLoCo(DPBackend):
             m.zero_()
         if self.compressor is not None:
             self.compressor = PowerSGDCompressor(self.cfg.powersgd)
+        for e in self.quant_errors or []:
+            e.zero_()
 
     # --- the algorithm ----------------------------------------------------------------------
     def _launch(self, f: int, step: int) -> _Sync:
@@ -358,6 +370,9 @@ class DiLoCo(DPBackend):
             dense = step < self.cfg.powersgd.start_powerSGD_iter
             rnd = self.compressor.start(deltas, names, self.comm, dense=dense,
                                         async_op=self.overlap)
+        elif self.quant is not None:
+            errors = [self.quant_errors[i] for i in idx] if self.quant_errors is not None else None
+            rnd = QuantizedMean(deltas, self.comm, self.quant, errors=errors, async_op=self.overlap)
         else:
             rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
         return _Sync(f, step, step + self.overlap_steps, self._q_due(step), deltas, rnd)
@@ -390,8 +405,12 @@ class DiLoCo(DPBackend):
         pending = []
         for f in sorted(self.pending):
             s = self.pending[f]
-            rnd = (s.round.state() if self.compressor is not None
-                   else [t.clone() for t in s.round.wait_reduced()])
+            if self.compressor is not None:
+                rnd = s.round.state()
+            elif self.quant is not None:
+                rnd = s.round.wait_reduced().clone()     # every replica's payload
+            else:
+                rnd = [t.clone() for t in s.round.wait_reduced()]
             pending.append({"fragment": f, "launched": s.launched, "due": s.due, "round": rnd,
                             # the delayed merge rule's own pseudo-gradient (finish overwrites it)
                             "local": [d.clone() for d in s.deltas] if self._delayed else None})
@@ -400,6 +419,7 @@ class DiLoCo(DPBackend):
             "backup": [b.clone() for b in self.backup],
             "momentum": None if self.momentum is None else [m.clone() for m in self.momentum],
             "compressor": None if self.compressor is None else self.compressor.state_dict(),
+            "quant_errors": None if self.quant_errors is None else [e.clone() for e in self.quant_errors],
             "fragments": [[self.names[i] for i in frag] for frag in self.fragments],
             "inner_steps": self.inner_steps, "last_step": self.last_step, "pending": pending,
             "dirty": list(self.dirty),
@@ -419,7 +439,12 @@ class DiLoCo(DPBackend):
         if first["compressor"] is not None:
             from .powersgd import merge_compressor_states
             comp = merge_compressor_states([s["compressor"] for s in states], cfg.powersgd if cfg is not None else None)
-        return {**first, "compressor": comp, "pending": [], "dirty": [True] * len(first["fragments"])}
+        errors = None
+        if first.get("quant_errors") is not None:   # each replica's residual is still owed: averaged
+            errors = [torch.stack([s["quant_errors"][i] for s in states]).mean(0)
+                      for i in range(len(first["quant_errors"]))]
+        return {**first, "compressor": comp, "quant_errors": errors, "pending": [],
+                "dirty": [True] * len(first["fragments"])}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
@@ -439,6 +464,11 @@ class DiLoCo(DPBackend):
         if self.compressor is not None:
             dev = self.backup[0].device if self.backup else None
             self.compressor.load_state_dict(sd["compressor"], device=dev)
+        if (sd.get("quant_errors") is None) != (self.quant_errors is None):
+            raise ValueError("state and config disagree on twocircuit.dp.compression \"quant\" with "
+                             "quant.error_feedback")
+        for e, t in zip(self.quant_errors or [], sd.get("quant_errors") or []):
+            e.copy_(t)
         self.last_step = int(sd["last_step"])
         self.dirty = [bool(d) for d in sd.get("dirty", [self.last_step >= 0] * self.num_fragments)]
         self.pending = {}
@@ -453,6 +483,8 @@ class DiLoCo(DPBackend):
                     d.copy_(t)
             if self.compressor is not None:
                 rnd = self.compressor.restore_round(rec["round"], deltas, self.comm)
+            elif self.quant is not None:
+                rnd = QuantizedMean(deltas, self.comm, self.quant, gathered=rec["round"])
             else:
                 rnd = CoalescedMean(deltas, self.comm, flats=rec["round"])
             self.pending[f] = _Sync(f, rec["launched"], rec["due"], self._q_due(rec["launched"]),

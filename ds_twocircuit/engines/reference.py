@@ -92,21 +92,35 @@ class InProcessGroup:
             self._broken = True
             self._cond.notify_all()
 
-    def all_reduce_sum(self, rank: int, t: torch.Tensor) -> None:
+    def _exchange(self, rank: int, item, combine) -> None:
+        """Put ``item`` in this replica's slot; the last replica in calls ``combine(slots)`` (every
+        replica's item, rank order) and hands the turn back to replica 0."""
         with self._cond:
-            self._slots[rank] = t
-            if rank == self.size - 1:          # every replica's tensor is in: sum in rank order
-                acc = self._slots[0].clone()
-                for other in self._slots[1:]:
-                    acc += other
-                for slot in self._slots:
-                    slot.copy_(acc)
+            self._slots[rank] = item
+            if rank == self.size - 1:
+                combine(self._slots)
                 self._slots = [None] * self.size
                 self._turn = 0
             else:
                 self._turn = rank + 1
             self._cond.notify_all()
             self._wait_turn(rank)
+
+    def all_reduce_sum(self, rank: int, t: torch.Tensor) -> None:
+        def total(slots):                   # summed in rank order, written back to every replica's
+            acc = slots[0].clone()
+            for other in slots[1:]:
+                acc += other
+            for slot in slots:
+                slot.copy_(acc)
+        self._exchange(rank, t, total)
+
+    def all_gather_into(self, rank: int, out: torch.Tensor, t: torch.Tensor) -> None:
+        def gather(slots):                  # every replica gets all of them, rank order
+            gathered = torch.cat([src.reshape(-1) for _, src in slots])
+            for dst, _ in slots:
+                dst.copy_(gathered)
+        self._exchange(rank, (out, t), gather)
 
 
 class InProcessComm(Communicator):
@@ -117,6 +131,10 @@ class InProcessComm(Communicator):
         # completed at launch: the values a later wait() sees are the same as an asynchronous
         # collective's (the backends reduce flat copies, never live weights)
         self.group.all_reduce_sum(self.rank, t)
+        return _DoneWork() if async_op else None
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        self.group.all_gather_into(self.rank, out, t)
         return _DoneWork() if async_op else None
 
 
