@@ -284,4 +284,3 @@ def apply_overrides(ds: dict, overrides: list[str], where: str = "--set", known=
             warnings.warn(f"{where} {item!r} adds {path}, which the config did not have and DeepSpeed does not "
                           "name: check its spelling (DeepSpeed ignores keys it does not know)", stacklevel=2)
     return out
-

@@ -10,7 +10,9 @@ nothing is lost, only delayed).
 
 Bytes a replica sends in a ring all-gather: ``(world - 1) x (n x bits / 8 + 2 n / block)``
 for ``n`` values, against ``2 (world - 1) / world x 4 n`` for the fp32 all-reduce: at 4 bits and
-blocks of 64, 7.5x fewer with two replicas, on top of DiLoCo's H.
+blocks of 64, ``15 / world`` times fewer (7.5x with two replicas, 3.8x with four), on top of
+DiLoCo's H. An all-gather's bytes grow with the replicas; past about eight replicas a quantised
+reduce-scatter would be needed (not built).
 
 Streaming DiLoCo (Douillard et al., 2025) sends 4-bit outer gradients; this is that, with error
 feedback. No DeepSpeed or ``torch.distributed`` import.
