@@ -124,7 +124,8 @@ def test_killing_the_anchor_does_not_stop_or_slow_the_fast_circuit(tmp_path):
     # medians: robust to a stray slow step when other work shares the machine
     assert statistics.median(after) <= 2.0 * statistics.median(before), (before, after)
     updates = read_summary(out)["anchor"]["updates"]
-    assert 1 <= updates and rows[-1]["anchor.updates"] == updates
+    # rank 0's count (stage 0) against the summary's fewest over the stages (see below)
+    assert 1 <= updates <= rows[-1]["anchor.updates"] <= updates + 1
 
 
 def test_anchor_job_skips_a_truncated_snapshot(tmp_path):
@@ -173,4 +174,6 @@ def test_dp2_replicas_agree_on_anchor_gradients_without_waiting_and_survive_a_ki
     # one fence later than with one replica: staleness at least two fence periods
     assert a["mean_staleness"] >= 2 * EVERY
     rows = read_metrics(out)
-    assert len(rows) == steps and rows[-1]["anchor.updates"] == a["updates"]
+    # metrics.jsonl is rank 0's (stage 0); the summary reports the stage with the fewest updates, and
+    # stages consume independently: with the anchor killed mid-publish, stage 0 may have one more
+    assert len(rows) == steps and a["updates"] <= rows[-1]["anchor.updates"] <= a["updates"] + 1
