@@ -174,8 +174,8 @@ class PacedWork:
 
 
 class PacedComm:
-    """A DP :class:`~ds_twocircuit.dp.base.Communicator` whose all-reduces take as long as their
-    ring bytes need on ``link``. Blocking: the transfer starts when every replica has arrived (the
+    """A DP :class:`~ds_twocircuit.dp.base.Communicator` whose all-reduces and all-gathers take as
+    long as their ring bytes need on ``link``. Blocking: the transfer starts when every replica has arrived (the
     collective itself is the barrier), then the caller waits its time. Asynchronous: booked at
     launch, waited for in ``wait()``."""
 
@@ -183,27 +183,23 @@ class PacedComm:
         self.inner, self.link = inner, link
         self.world_size, self.rank = inner.world_size, inner.rank
 
-    def _bytes(self, t) -> int:
-        from .wire import ring_allreduce_bytes, tensor_bytes
-        return ring_allreduce_bytes(tensor_bytes(t), self.world_size)
-
-    def all_reduce_sum(self, t, async_op: bool = False):
+    def _paced(self, nbytes: int, call, async_op: bool):
         if not async_op:
-            self.inner.all_reduce_sum(t)
-            self.link.send(self._bytes(t))
-            return None
-        done_at = self.link.book(self._bytes(t))
-        return PacedWork(self.inner.all_reduce_sum(t, async_op=True), self.link, done_at)
-
-    def all_gather_into(self, out, t, async_op: bool = False):
-        from .wire import ring_allgather_bytes, tensor_bytes
-        nbytes = ring_allgather_bytes(tensor_bytes(t), self.world_size)
-        if not async_op:
-            self.inner.all_gather_into(out, t)
+            call(False)
             self.link.send(nbytes)
             return None
         done_at = self.link.book(nbytes)
-        return PacedWork(self.inner.all_gather_into(out, t, async_op=True), self.link, done_at)
+        return PacedWork(call(True), self.link, done_at)
+
+    def all_reduce_sum(self, t, async_op: bool = False):
+        from .wire import ring_allreduce_bytes, tensor_bytes
+        return self._paced(ring_allreduce_bytes(tensor_bytes(t), self.world_size),
+                           lambda a: self.inner.all_reduce_sum(t, async_op=a), async_op)
+
+    def all_gather_into(self, out, t, async_op: bool = False):
+        from .wire import ring_allgather_bytes, tensor_bytes
+        return self._paced(ring_allgather_bytes(tensor_bytes(t), self.world_size),
+                           lambda a: self.inner.all_gather_into(out, t, async_op=a), async_op)
 
 
 _pacer: Pacer | None = None

@@ -884,7 +884,7 @@ def test_quantized_mean_is_the_same_average_on_every_replica(bits):
     """Each replica decodes every replica's payload in rank order: identical results, equal to the
     mean of the dequantised inputs, within the quantiser's step of the exact mean; the bytes are a
     ring all-gather of the payload (values at ``bits`` plus a bf16 scale per block)."""
-    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean, encode
+    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean, decode, encode
     cfg = QuantConfig(bits=bits, block=16)
     world = 2
     group, run_replicas = _in_process(world)
@@ -901,7 +901,7 @@ def test_quantized_mean_is_the_same_average_on_every_replica(bits):
     (a, bytes_a), (b, bytes_b) = out
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in inputs]
-    decoded = [encode(f, cfg)[1] for f in flat]
+    decoded = [decode(encode(f, cfg), f.numel(), cfg) for f in flat]
     mean = (decoded[0] + decoded[1]) / 2
     assert torch.equal(torch.cat([t.reshape(-1) for t in a]), mean)
     exact = (flat[0] + flat[1]) / 2
@@ -916,7 +916,7 @@ def test_quantized_mean_is_the_same_average_on_every_replica(bits):
 def test_quantized_mean_error_feedback_loses_nothing():
     """Over many rounds the decoded values a replica sent plus its last residual add up to the
     values it was asked to send (error feedback delays the quantisation error, never drops it)."""
-    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean, encode
+    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean, decode, encode
     cfg = QuantConfig(bits=2, block=8)
     comm = Collective(None)
     err = [torch.zeros(40)]
@@ -928,7 +928,7 @@ def test_quantized_mean_error_feedback_loses_nothing():
         t = x.clone()
         before = err[0].clone()
         QuantizedMean([t], comm, cfg, errors=err).finish()
-        assert torch.equal(t, encode(x + before, cfg)[1])   # one replica: the mean is its own decode
+        assert torch.equal(t, decode(encode(x + before, cfg), 40, cfg))   # one replica: the mean is its own decode
         sent_total += t
     assert torch.allclose(sent_total + err[0], asked_total, atol=1e-4)
     assert float(err[0].abs().max()) < 2.0                     # the residual stays bounded

@@ -110,6 +110,28 @@ def test_paced_all_reduce_takes_its_ring_bytes_time():
     assert (comm.world_size, comm.rank) == (2, 0)
 
 
+class FourGatherers(Communicator):
+    world_size, rank = 4, 1
+
+    def all_gather_into(self, out, t, async_op=False):
+        out.copy_(torch.cat([t + r for r in range(self.world_size)]))
+        return _Done() if async_op else None
+
+
+def test_paced_all_gather_takes_its_ring_bytes_time():
+    """A ring all-gather of 4 replicas: each rank sends the 3 others' payloads on its link, 3 x its
+    own bytes (the quantised DiLoCo sync), and Collective counts the same."""
+    c = FakeClock()
+    comm = pacing.PacedComm(FourGatherers(), pacing.Link(8.0, c, c.sleep))
+    col = Collective(comm)
+    payload = torch.zeros(1_000_000 // 3, dtype=torch.uint8)      # 333,333 bytes
+    out, pending = col.all_gather(payload)
+    pending.wait()
+    assert out.shape == (4, payload.numel()) and torch.equal(out[3], torch.full_like(payload, 3))
+    assert col.stats["bytes_sent"] == 3 * payload.numel() == comm.link.bytes
+    assert c.slept == [pytest.approx(3 * payload.numel() * 8 / 8e6 * F)]
+
+
 def test_paced_async_all_reduce_overlaps_and_books_on_the_dp_stats():
     """Launched, then 0.15 s of other work, then wait: the booked 0.26 s transfer ends 0.11 s
     after the work, and Collective's stats see it as a 0.26 s collective, 0.15 s of it hidden."""

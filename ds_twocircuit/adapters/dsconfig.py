@@ -16,8 +16,10 @@ def deepspeed_knows(keys: list[str]) -> bool:
     ``runtime.constants`` (``bf16``, ``enabled``, ``gradient_clipping``, ...), the ZeRO section's
     fields and aliases, or a section it validates itself. ``bf16.enabled`` is known, ``bf61.enabled`` is
     not."""
-    if keys[0] in _DS_SECTIONS or keys[0] == "optimizer" or keys[0] == "scheduler":
-        return keys[0] not in ("optimizer", "scheduler") or len(keys) < 2 or keys[1] in ("type", "params")
+    if keys[0] in _DS_SECTIONS:
+        return True
+    if keys[0] in ("optimizer", "scheduler"):       # the driver checks what goes under params
+        return len(keys) < 2 or keys[1] in ("type", "params")
     names, zero_fields = _names()
     if keys[0] == "zero_optimization":
         return len(keys) == 1 or keys[1] in zero_fields

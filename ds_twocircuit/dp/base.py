@@ -133,8 +133,8 @@ class Collective:
         self.world_size = self.comm.world_size
         self.stats = _empty_stats()
 
-    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False) -> Pending:
-        nbytes = wire.ring_allreduce_bytes(wire.tensor_bytes(t), self.world_size)
+    def _issue(self, nbytes: int, call, async_op: bool) -> Pending:
+        """Count ``nbytes`` as this rank's DP bytes and run ``call(async_op)`` (a no-op for one replica)."""
         wire.count("dp", nbytes, messages=1 if self.world_size > 1 else 0)
         if self.world_size == 1:
             return Pending()
@@ -142,29 +142,24 @@ class Collective:
         self.stats["collectives"] += 1
         t0 = time.perf_counter()
         if not async_op:
-            self.comm.all_reduce_sum(t)
+            call(False)
             self.stats["comm_s"] += time.perf_counter() - t0
             return Pending()
-        return Pending(self.stats, self.comm.all_reduce_sum(t, async_op=True), t0)
+        return Pending(self.stats, call(True), t0)
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False) -> Pending:
+        nbytes = wire.ring_allreduce_bytes(wire.tensor_bytes(t), self.world_size)
+        return self._issue(nbytes, lambda a: self.comm.all_reduce_sum(t, async_op=a), async_op)
 
     def all_gather(self, t: torch.Tensor, async_op: bool = False) -> tuple[torch.Tensor, Pending]:
         """Every replica's ``t`` (flat) as rows of a ``(world_size, t.numel())`` tensor, rank order;
         counted as the bytes this rank sends in a ring all-gather."""
         out = torch.empty(self.world_size, t.numel(), dtype=t.dtype, device=t.device)
-        nbytes = wire.ring_allgather_bytes(wire.tensor_bytes(t), self.world_size)
-        wire.count("dp", nbytes, messages=1 if self.world_size > 1 else 0)
         if self.world_size == 1:
             out[0].copy_(t.reshape(-1))
-            return out, Pending()
-        self.stats["bytes_sent"] += nbytes
-        self.stats["collectives"] += 1
-        t0 = time.perf_counter()
-        flat = out.view(-1)
-        if not async_op:
-            self.comm.all_gather_into(flat, t.reshape(-1).contiguous())
-            self.stats["comm_s"] += time.perf_counter() - t0
-            return out, Pending()
-        return out, Pending(self.stats, self.comm.all_gather_into(flat, t.reshape(-1).contiguous(), async_op=True), t0)
+        src = t.reshape(-1).contiguous()
+        nbytes = wire.ring_allgather_bytes(wire.tensor_bytes(t), self.world_size)
+        return out, self._issue(nbytes, lambda a: self.comm.all_gather_into(out.view(-1), src, async_op=a), async_op)
 
     def pop_stats(self) -> dict:
         s, self.stats = self.stats, _empty_stats()

@@ -19,14 +19,15 @@ feedback. No DeepSpeed or ``torch.distributed`` import.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ds_twocircuit.codecs.quant import SCALE_DTYPE, dequantize_groups, quantize_groups
-from ds_twocircuit.configkit import ConfigError
+from ds_twocircuit.configkit import ConfigError, check_keys
 from ds_twocircuit.dp.base import Collective, Pending
-from ds_twocircuit.dp.config import boolean, int_in, setting
+from ds_twocircuit.dp.config import boolean, int_in, parse_fields, setting
 
 QUANT_BITS = (2, 4, 8)
 
@@ -55,9 +56,6 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, prefix: str = "twocircuit.dp.quant") -> "QuantConfig":
-        import dataclasses
-        from ds_twocircuit.configkit import check_keys
-        from ds_twocircuit.dp.config import parse_fields
         d = {} if d is None else d
         check_keys(d, {f.name for f in dataclasses.fields(cls)}, prefix)
         cfg = cls(**parse_fields(cls, d, prefix))
@@ -70,16 +68,14 @@ class QuantConfig:
         return blocks * (self.block * self.bits // 8 + 2)
 
 
-def encode(flat: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n,) float -> (payload uint8: packed values then the bf16 scales' bytes, decoded (n,) fp32)."""
+def encode(flat: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """(n,) float -> payload uint8: the packed values, then the bf16 scales' bytes."""
     n, b = flat.numel(), cfg.block
     rows = -(-n // b)
     x = torch.zeros(rows * b, dtype=torch.float32, device=flat.device)
     x[:n] = flat
     packed, scales = quantize_groups(x.view(rows, b), [(b, cfg.bits)])
-    decoded = dequantize_groups(packed, scales, [(b, cfg.bits)]).reshape(-1)[:n]
-    payload = torch.cat([packed.reshape(-1), scales.reshape(-1).view(torch.uint8)])
-    return payload, decoded
+    return torch.cat([packed.reshape(-1), scales.reshape(-1).view(torch.uint8)])
 
 
 def decode(payload: torch.Tensor, n: int, cfg: QuantConfig) -> torch.Tensor:
@@ -101,18 +97,19 @@ class QuantizedMean:
                  gathered: torch.Tensor | None = None):
         self.tensors, self.cfg, self.world = list(tensors), cfg, comm.world_size
         self.n = sum(t.numel() for t in self.tensors)
+        self._done = False
         if gathered is not None:
             self.gathered, self.pending = gathered.to(self.tensors[0].device), Pending()
             return
         flat = torch.cat([t.reshape(-1).float() for t in self.tensors])
         if errors is not None:
             flat += torch.cat([e.reshape(-1) for e in errors])
-        payload, decoded = encode(flat, cfg)
+        payload = encode(flat, cfg)
         if errors is not None:    # what this replica meant to send and did not: sent next time
-            for e, chunk in zip(errors, (flat - decoded).split([e.numel() for e in errors])):
+            flat -= decode(payload, self.n, cfg)
+            for e, chunk in zip(errors, flat.split([e.numel() for e in errors])):
                 e.copy_(chunk.view_as(e))
         self.gathered, self.pending = comm.all_gather(payload, async_op)
-        self._done = False
 
     def wait_reduced(self) -> torch.Tensor:
         """Wait for the collective only; return the gathered payloads (world, bytes) for a checkpoint."""
@@ -120,7 +117,7 @@ class QuantizedMean:
         return self.gathered
 
     def finish(self) -> None:
-        if getattr(self, "_done", False):
+        if self._done:
             return
         self.wait_reduced()
         acc = decode(self.gathered[0], self.n, self.cfg)
