@@ -319,3 +319,16 @@ def test_device_is_the_reference_engines_and_must_exist(tmp_path):
     plan = _plan(tmp_path, ["--engine", "reference", "--device", "cpu", "--deepspeed",
                             os.path.join(CONFIGS, "m95.json")], world=1)
     assert plan.args.device == "cpu"
+
+
+@pytest.mark.parametrize("shipped, screened", [("dense_dp200", "dp100_q4"), ("lowrank_dp200", "lowrank_dp100_q4")])
+def test_dp200_configs_are_the_screened_files(shipped, screened):
+    """README's quality claims for the 4-bit sync come from fullstack_screen.jsonl, whose rows ran
+    docs/benchmarks/fullstack_screen_configs/*.json: the shipped file must be that config."""
+    import json
+    root = os.path.dirname(CONFIGS)
+    a = json.load(open(os.path.join(CONFIGS, f"{shipped}.json")))
+    b = json.load(open(os.path.join(root, "docs", "benchmarks", "fullstack_screen_configs", f"{screened}.json")))
+    assert a == b
+    dp = a["twocircuit"]["dp"]
+    assert (dp["backend"], dp["compression"], dp["quant"]["bits"]) == ("streaming_diloco", "quant", 4)
