@@ -325,7 +325,6 @@ def test_device_is_the_reference_engines_and_must_exist(tmp_path):
 def test_dp200_configs_are_the_screened_files(shipped, screened):
     """README's quality claims for the 4-bit sync come from fullstack_screen.jsonl, whose rows ran
     docs/benchmarks/fullstack_screen_configs/*.json: the shipped file must be that config."""
-    import json
     root = os.path.dirname(CONFIGS)
     a = json.load(open(os.path.join(CONFIGS, f"{shipped}.json")))
     b = json.load(open(os.path.join(root, "docs", "benchmarks", "fullstack_screen_configs", f"{screened}.json")))
