@@ -174,7 +174,7 @@ class PacedWork:
 
 
 class PacedComm:
-    """A DP :class:`~ds_twocircuit.dp.base.Communicator` whose all-reduces and all-gathers take as
+    """A DP :class:`~ds_twocircuit.dp.base.Communicator` whose all-reduces, all-gathers and all-to-alls take as
     long as their ring bytes need on ``link``. Blocking: the transfer starts when every replica has arrived (the
     collective itself is the barrier), then the caller waits its time. Asynchronous: booked at
     launch, waited for in ``wait()``."""
@@ -200,6 +200,11 @@ class PacedComm:
         from .wire import ring_allgather_bytes, tensor_bytes
         return self._paced(ring_allgather_bytes(tensor_bytes(t), self.world_size),
                            lambda a: self.inner.all_gather_into(out, t, async_op=a), async_op)
+
+    def all_to_all_into(self, out, t, async_op: bool = False):
+        from .wire import alltoall_bytes, tensor_bytes
+        return self._paced(alltoall_bytes(tensor_bytes(t), self.world_size),
+                           lambda a: self.inner.all_to_all_into(out, t, async_op=a), async_op)
 
 
 _pacer: Pacer | None = None

@@ -58,6 +58,12 @@ def ring_allgather_bytes(payload_bytes: int, world: int) -> int:
     return (world - 1) * payload_bytes if world > 1 else 0
 
 
+def alltoall_bytes(payload_bytes: int, world: int) -> int:
+    """Bytes one rank sends in an all-to-all of ``payload_bytes`` split in ``world`` equal parts
+    (it keeps its own part)."""
+    return (world - 1) * payload_bytes // world if world > 1 else 0
+
+
 def totals() -> dict[str, int]:
     with _lock:
         return {k: int(_bytes.get(k, 0)) for k in KINDS}

@@ -88,6 +88,12 @@ RESUME_CASES = {
     "streaming_quant_overlap": ({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
                                  "overlap_steps": 1, "compression": "quant",
                                  "quant": {"bits": 2, "block": 8}}, 12, 4),
+    # the reduce-scatter, saved after step 5: fragment 0's sync (launched after step 3) has its
+    # all-gather of the owners' means in flight (launched after step 5), fragment 1's (launched
+    # after step 5) its all-to-all; the owners' residuals must survive the checkpoint
+    "streaming_quant_rs_overlap": ({"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                                    "overlap_steps": 3, "compression": "quant",
+                                    "quant": {"bits": 2, "block": 8, "collective": "reduce_scatter"}}, 12, 6),
     "streaming_powersgd_overlap": ({"backend": "streaming_diloco", "inner_steps": 4,
                                     "num_fragments": 2, "overlap_steps": 2,
                                     "compression": "powersgd", "powersgd": PSGD2}, 12, 6),
@@ -525,6 +531,7 @@ def test_resume_is_bitwise_identical(dist_suite):
             assert r[name]["equal"], f"{name}: resumed run diverged from the uninterrupted one"
     assert res[0]["streaming_overlap"]["pending_at_save"] == 1
     assert res[0]["streaming_quant_overlap"]["pending_at_save"] == 1
+    assert res[0]["streaming_quant_rs_overlap"]["pending_at_save"] == 2
     assert res[0]["streaming_powersgd_overlap"]["pending_at_save"] == 1
     assert res[0]["streaming_powersgd_delayed_q_in_flight"]["pending_at_save"] == 1
 
@@ -628,6 +635,8 @@ def test_config_defaults():
     ({"backend": "diloco", "compression": "quant", "quant": {"bits": 3}}, "twocircuit.dp.quant.bits"),
     ({"backend": "diloco", "compression": "quant", "quant": {"block": 12}}, "twocircuit.dp.quant.block"),
     ({"backend": "diloco", "compression": "quant", "quant": {"scale": 1}}, "twocircuit.dp.quant.scale"),
+    ({"backend": "diloco", "compression": "quant", "quant": {"collective": "ring"}},
+     "twocircuit.dp.quant.collective"),
     ({"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 3},
      "twocircuit.dp.num_fragments"),
     ({"backend": "streaming_diloco", "overlap": False, "merge_alpha": 0.3},
@@ -932,6 +941,107 @@ def test_quantized_mean_error_feedback_loses_nothing():
         sent_total += t
     assert torch.allclose(sent_total + err[0], asked_total, atol=1e-4)
     assert float(err[0].abs().max()) < 2.0                     # the residual stays bounded
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_quantized_reduce_scatter_mean_agrees_everywhere_and_sends_allreduce_shaped_bytes(world):
+    """``"collective": "reduce_scatter"``: every replica ends with the same values, within two
+    quantiser steps of the exact mean (each chunk is rounded, averaged and rounded again), equal to
+    decoding the owners' re-quantised means; each replica sends ``2 (world - 1)`` chunk payloads (an
+    all-to-all, then an all-gather), where the all-gather sends ``world - 1`` full payloads."""
+    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedReduceScatterMean, decode, encode
+    cfg = QuantConfig(bits=4, block=16, collective="reduce_scatter")
+    group, run_replicas = _in_process(world)
+    inputs = [[torch.randn(7, 9, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
+              for r in range(world)]
+    n = 2 * 7 * 9
+    chunk = cfg.chunk_numel(n, world)
+    assert chunk % 16 == 0 and world * chunk >= n > world * (chunk - 16)
+    errors = [[torch.zeros_like(t) for t in ts] for ts in inputs]
+    owners = [torch.zeros(chunk) for _ in range(world)]
+
+    def replica(r):
+        comm = Collective(group.comm(r))
+        ts = [t.clone() for t in inputs[r]]
+        rnd = QuantizedReduceScatterMean(ts, comm, cfg, errors=errors[r], owner_error=owners[r], async_op=True)
+        rnd.launch_q()
+        rnd.finish()
+        return ts, comm.pop_stats()["bytes_sent"]
+    out = run_replicas(group, replica, world)
+    got = [torch.cat([t.reshape(-1) for t in ts]) for ts, _ in out]
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in inputs]
+    exact = sum(flat) / world
+    padded = [torch.cat([f, torch.zeros(world * chunk - n)]).view(world, chunk) for f in flat]
+    means = [sum(decode(encode(p[j], cfg), chunk, cfg) for p in padded) / world for j in range(world)]
+    expect = torch.cat([decode(encode(m, cfg), chunk, cfg) for m in means])[:n]
+    assert torch.allclose(got[0], expect, atol=1e-6)
+    step = max(f.abs().max() for f in flat) / 7
+    assert float((got[0] - exact).abs().max()) <= float(step) + 1e-6
+    assert float((got[0] - exact).abs().max()) > 0                          # it is quantised
+    payload = cfg.payload_bytes(chunk)
+    assert all(b == 2 * (world - 1) * payload == cfg.sync_bytes(n, world) for _, b in out)
+    full = QuantConfig(bits=4, block=16)
+    assert full.sync_bytes(n, world) == (world - 1) * full.payload_bytes(n)
+    # residuals: each replica's own first rounding, and each owner's second rounding of its chunk
+    for r in range(world):
+        sent = torch.cat([decode(encode(c, cfg), chunk, cfg) for c in padded[r]])[:n]
+        assert torch.allclose(torch.cat([e.reshape(-1) for e in errors[r]]), flat[r] - sent, atol=1e-6)
+        assert torch.allclose(owners[r], means[r] - decode(encode(means[r], cfg), chunk, cfg), atol=1e-6)
+
+
+def test_quantized_reduce_scatter_owner_error_feedback_loses_nothing():
+    """Over many rounds on one value stream per replica, the decoded means plus the replicas' and
+    owners' residuals add up to the exact means: both roundings are delayed, not dropped."""
+    from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedReduceScatterMean
+    cfg = QuantConfig(bits=2, block=8, collective="reduce_scatter")
+    world, n = 3, 40
+    group, run_replicas = _in_process(world)
+    chunk = cfg.chunk_numel(n, world)
+    errs = [[torch.zeros(n)] for _ in range(world)]
+    owners = [torch.zeros(chunk) for _ in range(world)]
+    gens = [torch.Generator().manual_seed(7 + r) for r in range(world)]
+    got_total, exact_total = torch.zeros(n), torch.zeros(n)
+    for _ in range(20):
+        xs = [torch.randn(n, generator=g) for g in gens]
+        exact_total += sum(xs) / world
+
+        def replica(r):
+            t = xs[r].clone()
+            QuantizedReduceScatterMean([t], Collective(group.comm(r)), cfg, errors=errs[r],
+                                       owner_error=owners[r]).finish()
+            return t
+        got_total += run_replicas(group, replica, world)[0]
+    owed = sum(e[0] for e in errs) / world + torch.cat(owners)[:n]
+    assert torch.allclose(got_total + owed, exact_total, atol=1e-4)
+    assert float(owed.abs().max()) < 3.0
+
+
+def test_reduce_scatter_owner_residuals_in_the_state():
+    """The owners' residuals are saved and restored; a state of another width (other chunks) is
+    refused, a merged state (an elastic resize) drops them, and a state that holds them does not
+    load into an all-gather config."""
+    rs = {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2, "overlap": False,
+          "compression": "quant", "quant": {"bits": 2, "block": 8, "collective": "reduce_scatter"}}
+    m, opt, b = _make(rs, 0, 1)
+    assert [e.numel() for e in b.quant_owner_errors] == [
+        b.quant.chunk_numel(sum(b.backup[i].numel() for i in frag), 1) for frag in b.fragments]
+    for k, e in enumerate(b.quant_owner_errors):
+        e.fill_(0.5 + k)
+    sd = b.state_dict()
+    m2, opt2, b2 = _make(rs, 0, 1)
+    b2.load_state_dict(sd)
+    assert all(torch.equal(x, y) for x, y in zip(b2.quant_owner_errors, b.quant_owner_errors))
+    merged = type(b).merge_replica_states([sd, sd])
+    assert merged["quant_owner_errors"] is None
+    b2.load_state_dict(merged)
+    assert all(float(e.abs().max()) == 0 for e in b2.quant_owner_errors)
+    bad = {**sd, "quant_owner_errors": [torch.zeros(e.numel() + 8) for e in sd["quant_owner_errors"]]}
+    with pytest.raises(ValueError, match="owner residuals of .* this width's chunks"):
+        b2.load_state_dict(bad)
+    m3, opt3, b3 = _make({**rs, "quant": {"bits": 2, "block": 8}}, 0, 1)
+    with pytest.raises(ValueError, match="quant.collective"):
+        b3.load_state_dict(sd)
 
 
 def test_streaming_diloco_quant_keeps_replicas_identical_and_counts_its_bytes():

@@ -132,6 +132,30 @@ def test_paced_all_gather_takes_its_ring_bytes_time():
     assert c.slept == [pytest.approx(3 * payload.numel() * 8 / 8e6 * F)]
 
 
+class FourScatterers(Communicator):
+    world_size, rank = 4, 1
+
+    def all_to_all_into(self, out, t, async_op=False):
+        out.copy_(t + 1)                            # what the others sent this one
+        return _Done() if async_op else None
+
+
+def test_paced_all_to_all_takes_the_bytes_it_sends_away():
+    """An all-to-all of 4 replicas (the quantised reduce-scatter's first phase): a rank keeps its
+    own row and sends the 3 others, 3 / 4 of its payload, on its link; Collective counts the same."""
+    c = FakeClock()
+    comm = pacing.PacedComm(FourScatterers(), pacing.Link(8.0, c, c.sleep))
+    col = Collective(comm)
+    payload = torch.zeros(4, 250_000, dtype=torch.uint8)           # 1 MB, 250 kB per replica
+    out, pending = col.all_to_all(payload)
+    pending.wait()
+    assert torch.equal(out, torch.ones_like(payload))
+    assert col.stats["bytes_sent"] == 750_000 == comm.link.bytes
+    assert c.slept == [pytest.approx(750_000 * 8 / 8e6 * F)]
+    with pytest.raises(ValueError, match=r"\(world_size=4, k\) tensor"):
+        col.all_to_all(torch.zeros(3, 5, dtype=torch.uint8))
+
+
 def test_paced_async_all_reduce_overlaps_and_books_on_the_dp_stats():
     """Launched, then 0.15 s of other work, then wait: the booked 0.26 s transfer ends 0.11 s
     after the work, and Collective's stats see it as a 0.26 s collective, 0.15 s of it hidden."""

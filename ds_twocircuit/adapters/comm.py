@@ -34,6 +34,9 @@ class TorchComm(Communicator):
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         return dist.all_gather_into_tensor(out, t, group=self.group, async_op=async_op)
 
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        return dist.all_to_all_single(out, t, group=self.group, async_op=async_op)
+
 
 def dp_comm(group, world_size: int) -> Communicator:
     """The DP replicas' communicator: :class:`LocalComm` for one replica (no process group needed),

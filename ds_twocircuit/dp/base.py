@@ -11,9 +11,9 @@ A backend replaces DeepSpeed's own DP gradient all-reduce (switched off by the e
 backends use, so a resumed run must pass the same numbers.
 
 Invariants kept by every backend here:
-  * every collective is an all-reduce (or, for quantised pseudo-gradients, an all-gather) over the
-    DP ``group`` and is counted in :mod:`ds_twocircuit.wire` as kind ``"dp"`` with the bytes this
-    rank sends in a ring all-reduce (all-gather);
+  * every collective is an all-reduce (or, for quantised pseudo-gradients, an all-gather, or an
+    all-to-all and an all-gather) over the DP ``group`` and is counted in :mod:`ds_twocircuit.wire`
+    as kind ``"dp"`` with the bytes this rank sends in a ring all-reduce (all-gather, all-to-all);
   * nothing non-finite is ever reduced: one fused finiteness check per step runs before the first
     collective and raises :class:`NonFiniteGradientError` (naming the step and the parameter), so a
     NaN/inf never reaches the other replicas.
@@ -113,6 +113,11 @@ class Communicator:
         in rank order; returns as :meth:`all_reduce_sum` does."""
         raise NotImplementedError(f"{type(self).__name__} has no all-gather")
 
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """``t`` and ``out`` hold ``world_size`` equal rows: row j of ``t`` goes to replica j, and
+        row i of ``out`` is what replica i sent this one; returns as :meth:`all_reduce_sum` does."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
 
 class LocalComm(Communicator):
     """The world of one replica: nothing to reduce."""
@@ -122,6 +127,10 @@ class LocalComm(Communicator):
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         out.copy_(t.reshape(-1))
+        return None
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        out.copy_(t)
         return None
 
 
@@ -160,6 +169,18 @@ class Collective:
         src = t.reshape(-1).contiguous()
         nbytes = wire.ring_allgather_bytes(wire.tensor_bytes(t), self.world_size)
         return out, self._issue(nbytes, lambda a: self.comm.all_gather_into(out.view(-1), src, async_op=a), async_op)
+
+    def all_to_all(self, t: torch.Tensor, async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+        """``t``: ``(world_size, k)``, row j for replica j. Returns the ``(world_size, k)`` rows the
+        replicas sent this one (rank order); counted as the ``world_size - 1`` rows this rank sends."""
+        if t.dim() != 2 or t.shape[0] != self.world_size:
+            raise ValueError(f"all_to_all needs a (world_size={self.world_size}, k) tensor, got {tuple(t.shape)}")
+        src = t.contiguous()
+        out = torch.empty_like(src)
+        if self.world_size == 1:
+            out.copy_(src)
+        nbytes = wire.alltoall_bytes(wire.tensor_bytes(src), self.world_size)
+        return out, self._issue(nbytes, lambda a: self.comm.all_to_all_into(out, src, async_op=a), async_op)
 
     def pop_stats(self) -> dict:
         s, self.stats = self.stats, _empty_stats()

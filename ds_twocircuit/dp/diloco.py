@@ -58,7 +58,7 @@ from ds_twocircuit.dp.base import CoalescedMean, DPBackend, check_finite
 from ds_twocircuit.dp.config import (BackendConfig, RunSettings, boolean, float_in, int_in, nested,
                                      setting)
 from ds_twocircuit.dp.powersgd import PowerSGDCompressor, PowerSGDConfig
-from ds_twocircuit.dp.quantmean import QuantConfig, QuantizedMean
+from ds_twocircuit.dp.quantmean import QuantConfig, quantized_mean
 
 # after_optimizer_step rewrites the live (fp16) weights; DeepSpeed's fp16 optimizer would overwrite
 # them from its fp32 masters on the next step, silently undoing every outer update
@@ -244,6 +244,14 @@ class DiLoCo(DPBackend):
         # this replica's quantisation residuals (error feedback), one per parameter, fp32
         self.quant_errors = ([torch.zeros_like(b) for b in self.backup]
                              if self.quant is not None and self.quant.error_feedback else None)
+        # "reduce_scatter": the residual of re-quantising the mean of the chunk this replica owns,
+        # one per fragment (its chunks depend on the width: dropped when the width changes)
+        self.quant_owner_errors = None
+        if self.quant is not None and self.quant.collective == "reduce_scatter" and self.quant.error_feedback:
+            dev = self.backup[0].device if self.backup else None
+            self.quant_owner_errors = [
+                torch.zeros(self.quant.chunk_numel(sum(self.backup[i].numel() for i in frag), self.world_size),
+                            dtype=torch.float32, device=dev) for frag in self.fragments]
         self.pending: dict[int, _Sync] = {}
         self.last_step = -1
         # fragments whose live weights may differ between replicas (local steps since their last
@@ -253,6 +261,12 @@ class DiLoCo(DPBackend):
     def _setup_streaming(self, c) -> None:
         self.num_fragments, self.overlap, self.overlap_steps, self.merge_alpha = 1, False, 0, 0.0
         self.merge_rule = "mix"
+
+    @property
+    def _two_phase(self) -> bool:
+        """Rounds of two collectives, the second launched at ``q_due`` (PowerSGD's P and Q; the
+        quantised reduce-scatter's chunks and means)."""
+        return self.compressor is not None or (self.quant is not None and self.quant.collective == "reduce_scatter")
 
     @property
     def _delayed(self) -> bool:
@@ -294,7 +308,7 @@ class DiLoCo(DPBackend):
                 self._finish(self.pending.pop(f))
                 changed = True
                 done.append(f)
-        if self.compressor is not None:  # the second all-reduce of syncs still in flight
+        if self._two_phase:  # the second collective of syncs still in flight
             for f in sorted(self.pending):
                 if self.pending[f].q_due <= step:
                     self.pending[f].round.launch_q()
@@ -357,7 +371,7 @@ class DiLoCo(DPBackend):
             m.zero_()
         if self.compressor is not None:
             self.compressor = PowerSGDCompressor(self.cfg.powersgd)
-        for e in self.quant_errors or []:
+        for e in [*(self.quant_errors or []), *(self.quant_owner_errors or [])]:
             e.zero_()
 
     # --- the algorithm ----------------------------------------------------------------------
@@ -372,7 +386,9 @@ class DiLoCo(DPBackend):
                                         async_op=self.overlap)
         elif self.quant is not None:
             errors = [self.quant_errors[i] for i in idx] if self.quant_errors is not None else None
-            rnd = QuantizedMean(deltas, self.comm, self.quant, errors=errors, async_op=self.overlap)
+            owner = self.quant_owner_errors[f] if self.quant_owner_errors is not None else None
+            rnd = quantized_mean(deltas, self.comm, self.quant, errors=errors, owner_error=owner,
+                                 async_op=self.overlap)
         else:
             rnd = CoalescedMean(deltas, self.comm, async_op=self.overlap)
         return _Sync(f, step, step + self.overlap_steps, self._q_due(step), deltas, rnd)
@@ -420,6 +436,8 @@ class DiLoCo(DPBackend):
             "momentum": None if self.momentum is None else [m.clone() for m in self.momentum],
             "compressor": None if self.compressor is None else self.compressor.state_dict(),
             "quant_errors": None if self.quant_errors is None else [e.clone() for e in self.quant_errors],
+            "quant_owner_errors": (None if self.quant_owner_errors is None
+                                   else [e.clone() for e in self.quant_owner_errors]),
             "fragments": [[self.names[i] for i in frag] for frag in self.fragments],
             "inner_steps": self.inner_steps, "last_step": self.last_step, "pending": pending,
             "dirty": list(self.dirty),
@@ -443,7 +461,8 @@ class DiLoCo(DPBackend):
         if first.get("quant_errors") is not None:   # each replica's residual is still owed: averaged
             errors = [torch.stack([s["quant_errors"][i] for s in states]).mean(0)
                       for i in range(len(first["quant_errors"]))]
-        return {**first, "compressor": comp, "quant_errors": errors, "pending": [],
+        # the owners' residuals belong to the old width's chunks: dropped
+        return {**first, "compressor": comp, "quant_errors": errors, "quant_owner_errors": None, "pending": [],
                 "dirty": [True] * len(first["fragments"])}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -469,6 +488,18 @@ class DiLoCo(DPBackend):
                              "quant.error_feedback")
         for e, t in zip(self.quant_errors or [], sd.get("quant_errors") or []):
             e.copy_(t)
+        owners = sd.get("quant_owner_errors")
+        if owners is not None and self.quant_owner_errors is None:
+            raise ValueError("state and config disagree on twocircuit.dp.quant.collective \"reduce_scatter\" "
+                             "with quant.error_feedback")
+        for k, e in enumerate(self.quant_owner_errors or []):
+            if owners is None:       # saved at another width (merged) or before: nothing owed here
+                e.zero_()
+            elif owners[k].numel() != e.numel():
+                raise ValueError(f"state holds owner residuals of {owners[k].numel()} values for fragment {k}, "
+                                 f"this width's chunks have {e.numel()}")
+            else:
+                e.copy_(owners[k])
         self.last_step = int(sd["last_step"])
         self.dirty = [bool(d) for d in sd.get("dirty", [self.last_step >= 0] * self.num_fragments)]
         self.pending = {}
@@ -484,7 +515,7 @@ class DiLoCo(DPBackend):
             if self.compressor is not None:
                 rnd = self.compressor.restore_round(rec["round"], deltas, self.comm)
             elif self.quant is not None:
-                rnd = QuantizedMean(deltas, self.comm, self.quant, gathered=rec["round"])
+                rnd = quantized_mean(deltas, self.comm, self.quant, gathered=rec["round"])
             else:
                 rnd = CoalescedMean(deltas, self.comm, flats=rec["round"])
             self.pending[f] = _Sync(f, rec["launched"], rec["due"], self._q_due(rec["launched"]),

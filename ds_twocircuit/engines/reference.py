@@ -122,6 +122,13 @@ class InProcessGroup:
                 dst.copy_(gathered)
         self._exchange(rank, (out, t), gather)
 
+    def all_to_all_into(self, rank: int, out: torch.Tensor, t: torch.Tensor) -> None:
+        def scatter(slots):                 # replica i's row j goes to replica j's row i
+            for i, (_, src) in enumerate(slots):
+                for j, (dst, _) in enumerate(slots):
+                    dst[i].copy_(src[j])
+        self._exchange(rank, (out, t), scatter)
+
 
 class InProcessComm(Communicator):
     def __init__(self, group: InProcessGroup, rank: int):
@@ -135,6 +142,10 @@ class InProcessComm(Communicator):
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         self.group.all_gather_into(self.rank, out, t)
+        return _DoneWork() if async_op else None
+
+    def all_to_all_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        self.group.all_to_all_into(self.rank, out, t)
         return _DoneWork() if async_op else None
 
 
