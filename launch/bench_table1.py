@@ -34,6 +34,8 @@ is 42.3 compute steps, 41.3 of them communication. Rate = busiest link's bytes p
     python launch/bench_table1.py --mbit 200                      # at a given rate
     python launch/bench_table1.py --sweep 25,50,100,200,500,1000  # tokens/s vs link rate (PNG)
     python launch/bench_table1.py --add-rows 2,3,4 ...            # more rows, at the stored table's rate
+    python launch/bench_table1.py --paced-rows 9 ...              # a stored row again with the software
+                                      # throttle (train.py --pace-mbit, no namespaces, no root)
     python launch/bench_table1.py --sweep 14.35,28.7 --from-table docs/benchmarks/table1.json ...
                                       # a sweep reusing the table's compute-only runs and its rate's point
 """
@@ -62,9 +64,10 @@ ROWS = [
     ("M95", "m95_dp.json", 0),
     ("M95 + AP", "m95_ap_dp.json", 1),
     ("Low-rank 224x4b (recommended)", "lowrank_dp.json", 0),
+    ("Low-rank 224x4b + 4-bit DiLoCo", "lowrank_dp200.json", 0),
 ]
 FULLSTACK = "fullstack.jsonl"     # launch/bench_quality.py rows on PP 2 x DP 2: the table's mesh
-SWEEP_ROWS = (0, 1, 6, 7, 8)
+SWEEP_ROWS = (0, 1, 6, 7, 8, 9)
 # The paper's Table 1 (64 x A100, 200 Mbit/s): Baseline 1.1k tokens/s, M95 + AP + DP compression
 # 46.5k (42.3x); the latter taken as compute-bound.
 PAPER = {"link_mbit": 200.0, "baseline_tokens_per_s": 1100.0, "best_tokens_per_s": 46500.0,
@@ -141,6 +144,44 @@ def run_row(config, z, args, work, mbit, tag, steps):
     mesh = json.load(open(os.path.join(out, "mesh.json")))
     metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return summary, mesh, metrics, "python " + " ".join(shlex.quote(a) for a in cmd[1:]).replace(ROOT + "/", "")
+
+
+def paced_command(config, args, out, mbit, steps, port) -> list[str]:
+    """The row as plain processes on this host (torchrun, no namespaces) with the software
+    throttle pacing every link at ``mbit``: what a user without root sees."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "launch/train.py", "--deepspeed", f"ds_configs/{config}", "--model", args.model,
+           "--pp", "2", "--dp", "2", "--steps", str(steps), "--seq-len", str(args.seq_len), "--eval-sequences", "0",
+           "--no-save-model", "--pace-mbit", f"{mbit:g}", "--output-dir", out]
+    if args.micro_batches:
+        cmd += ["--grad-accum", str(args.micro_batches)]
+    return cmd
+
+
+def measure_paced(row, args, work, mbit) -> dict:
+    """tokens/s of one row under the software throttle at ``mbit``, timed as :func:`measure` times
+    the kernel-capped run (the same steady-state steps)."""
+    from ds_twocircuit.adapters.dist import free_port
+    name, config, z = row
+    if z:
+        raise SystemExit(f"error: --paced-rows: {name} has an anchor replica, whose files the throttle does not pace")
+    period = cycle_steps(config)
+    steps = max(args.steps, (args.cycles + 1) * period + 2) if period > 1 else args.steps
+    out = os.path.join(work, f"{config.replace('.json', '')}_{mbit:g}mbit_paced")
+    cmd = paced_command(config, args, out, mbit, steps, free_port())
+    print(f"== {config} paced at {mbit:g} Mbit/s: {' '.join(cmd[1:])}", flush=True)
+    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode:
+        sys.stderr.write(p.stderr[-6000:])
+        raise SystemExit(f"error: the row {config} paced at {mbit:g} Mbit/s failed (exit {p.returncode})")
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    if summary.get("pace_mbit") != mbit:
+        raise SystemExit(f"error: {out}/summary.json: the run was not paced at {mbit:g} Mbit/s")
+    metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    tps = summary["tokens"] / summary["steps"]
+    shown = cmd[1:8] + ["PORT"] + cmd[9:]                                 # any free port
+    return {"tokens_per_s": round(tps / steady_step_s(metrics, period, args.cycles), 2),
+            "command": "python " + " ".join(shlex.quote(a) for a in shown).replace(ROOT + "/", "")}
 
 
 def steady_state(summary, mesh, metrics, steps, config):
@@ -286,7 +327,8 @@ def write_sweep_markdown(sweep: dict, path: str) -> None:
     lines = [f"Model {sweep['model']}, mesh {sweep['mesh']}, sequence length {sweep['seq_len']}. Command: "
              f"`{sweep['command']}`" + (f"; compute-only runs and the {sweep['paper_equivalent_mbit']:g} Mbit/s "
                                          f"(paper-equivalent) points from `{sweep['from_table']}`"
-                                         if sweep.get("from_table") else ""), "",
+                                         if sweep.get("from_table") else "")
+             + "".join(f"; earlier rows kept from `{c}`" for c in sweep.get("commands_before", [])), "",
              "| variant | compute-only | " + " | ".join(f"{r} Mbit/s" for r in rates) + " |",
              "|---|---|" + "---|" * len(rates)]
     for name, series in sweep["series"].items():
@@ -323,6 +365,14 @@ def write_markdown(res: dict, path: str) -> None:
                      f"{r['bytes_per_token']:,.0f} | {k['pp_activations']:,.0f} / {k['pp_gradients']:,.0f} / "
                      f"{k['codec_state']:,.1f} | {k['dp']:,.0f} | {k['anchor']:,.0f} | {r['link_bytes_per_step']:,} "
                      f"| {loss} |")
+    paced = [r for r in res["rows"] if r.get("share_of_compute_only_paced") is not None]
+    if paced:
+        lines += ["", f"The software throttle (`train.py --pace-mbit {res['link_mbit']:g}`: plain processes, no "
+                  "namespaces or root; the project paces its own sends) on the same rows, share of the compute-only rate "
+                  "against the kernel cap's: " + "; ".join(
+                      f"{r['variant']}: {r['share_of_compute_only_paced']:.0%} ({r['tokens_per_s_paced']:,.1f} tokens/s; "
+                      f"kernel cap {r['share_of_compute_only']:.0%})" for r in paced)
+                  + ". Commands: " + "; ".join(f"`{c}`" for c in res.get("commands_paced", [])) + "."]
     sources = sorted({r["quality_from"] for r in res["rows"] if r.get("quality_from")})
     lines += ["", ("Held-out losses (dense inference) from the full-stack study of each row's own config: "
                    + "; ".join(sources) + ". '-': that config's full stack is not measured yet.") if sources else
@@ -349,15 +399,23 @@ def main():
     p.add_argument("--add-rows", default=None,
                    help="comma-separated row indices to add to the table already in --out, at its link rate "
                         "and settings (a long table in parts; the Baseline it holds stays the reference)")
+    p.add_argument("--paced-rows", default=None,
+                   help="comma-separated row indices of the table already in --out to run again with the software "
+                        "throttle at its link rate (train.py --pace-mbit; plain processes: no root needed)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the uncapped runs")
     p.add_argument("--from-table", default=None,
                    help="sweep: a stored table1.json run with the same settings; rows it holds take their "
                         "compute-only run and their point at its link rate from it (added to the rates)")
     p.add_argument("--out", default=OUT, help="folder for table1.json / .md (sweep: table1_sweep.json / .png)")
     args = p.parse_args()
+    command = "python launch/bench_table1.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.paced_rows:
+        if args.sweep or args.add_rows or args.paper_equivalent or args.rows:
+            sys.exit("error: --paced-rows runs stored rows at the stored table's rate: --sweep, --add-rows, "
+                     "--paper-equivalent and --rows do not apply")
+        return paced_rows(args, command)
     if os.geteuid() != 0:
         sys.exit("error: the emulated mesh needs root (network namespaces); see launch/mesh.py")
-    command = "python launch/bench_table1.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     work = os.path.join(ROOT, "runs", "table1")
     os.makedirs(work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
@@ -374,9 +432,15 @@ def main():
         sweep = {"benchmark": "table1_sweep", "model": args.model, "mesh": "pp=2 x dp=2", "rates_mbit": rates,
                  "seq_len": args.seq_len, "series": {}, "command": command,
                  "from_table": args.from_table, "paper_equivalent_mbit": (table or {}).get("paper_equivalent_mbit")}
+        kept = stored_sweep(os.path.join(args.out, "table1_sweep.json"), sweep, [ROWS[i][0] for i in idx])
+        if kept:
+            sweep.update(kept)
+            print(f"sweep: keeping the stored series of {', '.join(kept['series'])} (other rows: not re-run)", flush=True)
         for i in idx:
             sweep["series"][ROWS[i][0]] = sweep_series(ROWS[i], args, work, rates, table)
             json.dump(sweep, open(os.path.join(args.out, "table1_sweep.json"), "w"), indent=2)
+        order = [r[0] for r in ROWS]
+        sweep["series"] = dict(sorted(sweep["series"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99))
         sweep["speedup"] = sweep_speedups(sweep)
         json.dump(sweep, open(os.path.join(args.out, "table1_sweep.json"), "w"), indent=2)
         plot_sweep(sweep, os.path.join(args.out, "table1_sweep.png"))
@@ -446,6 +510,22 @@ def stored_table(path: str, args, flag: str) -> dict:
     return res
 
 
+def stored_sweep(path: str, sweep: dict, names: list[str]) -> dict:
+    """What a stored sweep at ``path`` keeps when only ``names`` are run again: the series of its
+    other rows and the commands that measured them, if it was run with the same model, sequence
+    length and reference table; else nothing (it is replaced)."""
+    if not os.path.exists(path):
+        return {}
+    old = json.load(open(path))
+    if any(old.get(k) != sweep[k] for k in ("model", "seq_len", "from_table")):
+        return {}
+    series = {k: v for k, v in old["series"].items() if k not in names}
+    if not series:
+        return {}
+    return {"series": series, "rates_mbit": sorted({*old["rates_mbit"], *sweep["rates_mbit"]}),
+            "commands_before": [*old.get("commands_before", []), old["command"]]}
+
+
 def sweep_series(row, args, work, rates, table: dict | None) -> dict:
     """One row of the sweep: tokens/s at each rate, and compute-only. With ``table`` (a stored
     table of the same settings holding this row), its compute-only run and its point at the
@@ -484,6 +564,29 @@ def add_rows(args, work, command) -> None:
         res["rows"].sort(key=lambda r: names.index(r["variant"]))
         relative_to_baseline(res["rows"])
         refresh_quality(res)
+        json.dump(res, open(path, "w"), indent=2)   # after every row
+    finish(res, args.out)
+
+
+def paced_rows(args, command) -> None:
+    """Rows of the stored table run again with the software throttle at the table's rate: their
+    share of the compute-only rate, beside the kernel cap's."""
+    path = os.path.join(args.out, "table1.json")
+    if not os.path.exists(path):
+        sys.exit(f"error: --paced-rows: no table at {path} (run the table first)")
+    res = stored_table(path, args, "--paced-rows")
+    work = os.path.join(ROOT, "runs", "table1")
+    os.makedirs(work, exist_ok=True)
+    res["commands_paced"] = [*res.get("commands_paced", []), command]
+    for i in (int(x) for x in args.paced_rows.split(",")):
+        row = ROWS[i]
+        stored = next((r for r in res["rows"] if r["variant"] == row[0]), None)
+        if stored is None or not stored.get("tokens_per_s_compute_only"):
+            sys.exit(f"error: --paced-rows: row {i} ({row[0]}) has no kernel-capped and compute-only run in {path}: "
+                     f"add it first (--add-rows {i})")
+        m = measure_paced(row, args, work, res["link_mbit"])
+        stored.update({"tokens_per_s_paced": m["tokens_per_s"], "command_paced": m["command"],
+                       "share_of_compute_only_paced": round(m["tokens_per_s"] / stored["tokens_per_s_compute_only"], 3)})
         json.dump(res, open(path, "w"), indent=2)   # after every row
     finish(res, args.out)
 

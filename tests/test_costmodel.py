@@ -93,6 +93,20 @@ def test_project_cli_writes_the_projection(tmp_path):
     assert rows["M95 (paper codec)"]["boundary_bytes_per_token_each_way"] == 204
     assert all(r["tokens_per_s"] > 0 for r in out["rows"])
     assert "Projection" in (tmp_path / "projection.md").read_text()
+    # the 4-bit sync of lowrank_dp200.json (H 20, F 2, blocks of 64 at 4 bits + a bf16 scale): one
+    # fragment of a stage (1.24e9 / 8 / 2 values) every 10 steps, all-gathered to 7 other replicas
+    per_sync = 7 * (-(-77_500_000 // 64)) * (64 * 4 // 8 + 2)
+    assert project.quant_sync_bytes_per_step("ds_configs/lowrank_dp200.json", 1.24e9 / 8, 8) == per_sync / 10
+    assert project.quant_sync_bytes_per_step("ds_configs/lowrank_dp200.json", 1.24e9 / 8, 2) == per_sync / 7 / 10
+    # the reduce-scatter: 2 (dp - 1) chunk payloads, a chunk being 1 / dp of the fragment in whole blocks
+    chunk = -(-77_500_000 // (8 * 64)) * 64
+    rs = project.quant_sync_bytes_per_step("ds_configs/lowrank_dp200.json", 1.24e9 / 8, 8, "reduce_scatter")
+    assert rs == 2 * 7 * (chunk // 64) * 34 / 10 and per_sync / 10 / rs == pytest.approx(4.0, rel=1e-3)
+    rows = {r["method"]: r for r in out["rows"]}
+    ag, rsr = (rows[f"low-rank 112x4b + 4-bit DiLoCo{k}"] for k in (" (lowrank_dp200)", ", reduce-scatter"))
+    assert rsr["dp_exposed_s"] < ag["dp_exposed_s"] and rsr["tokens_per_s"] > ag["tokens_per_s"]
+    with pytest.raises(ValueError, match="not a quantised Streaming DiLoCo"):
+        project.quant_sync_bytes_per_step("ds_configs/dense_dp.json", 1e6, 2)
 
 
 def test_table1_paper_equivalent_rate_and_steady_state():
@@ -214,6 +228,54 @@ def test_table1_rows_added_to_a_stored_table(tmp_path, monkeypatch):
         t1.add_rows(argparse.Namespace(**{**vars(args), "seq_len": 128}), str(tmp_path), "x")
 
 
+def test_table1_paced_rows_join_the_stored_rows(tmp_path, monkeypatch):
+    """``--paced-rows``: a stored row run again under the software throttle at the table's rate
+    (plain processes with ``--pace-mbit``, no namespaces, no root) gets its paced share of the
+    stored compute-only rate beside the kernel cap's; rows the table lacks, and anchor rows (whose
+    files the throttle does not pace), are refused."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    seen, real_measure_paced = [], t1.measure_paced
+
+    def fake_paced(row, args, work, mbit):
+        seen.append((row[1], mbit))
+        return {"tokens_per_s": 45.0, "command": "paced-cmd"}
+    monkeypatch.setattr(t1, "measure_paced", fake_paced)
+    monkeypatch.setattr(t1.os, "geteuid", lambda: 1000)                   # no root needed
+    low = t1.ROWS[9]
+    assert low[1] == "lowrank_dp200.json"
+    row = {"variant": low[0], "tokens_per_s": 40.0, "tokens_per_s_compute_only": 50.0, "share_of_compute_only": 0.8,
+           "speedup": 2.0, "bytes_per_token": 5.0, "micro_batches": 2, "link_bytes_per_step": 3,
+           "bytes_by_kind": dict.fromkeys(("pp_activations", "pp_gradients", "codec_state", "dp", "anchor"), 1.0)}
+    (tmp_path / "table1.json").write_text(json.dumps({"model": "m", "seq_len": 64, "link_mbit": 7.5, "command": "c",
+                                                      "mesh": "pp=2 x dp=2", "rows": [row]}))
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--paced-rows", "9", "--model", "m", "--seq-len", "64",
+                                      "--out", str(tmp_path)])
+    t1.main()
+    assert seen == [("lowrank_dp200.json", 7.5)]
+    stored = json.load(open(tmp_path / "table1.json"))
+    r = stored["rows"][0]
+    assert (r["tokens_per_s_paced"], r["share_of_compute_only_paced"], r["command_paced"]) == (45.0, 0.9, "paced-cmd")
+    assert r["tokens_per_s"] == 40.0                                      # the kernel cap's run is kept
+    assert stored["commands_paced"] == [f"python launch/bench_table1.py --paced-rows 9 --model m --seq-len 64 --out {tmp_path}"]
+    md = (tmp_path / "table1.md").read_text()
+    assert f"{low[0]}: 90% (45.0 tokens/s; kernel cap 80%)" in md and "--pace-mbit 7.5" in md
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--paced-rows", "6", "--model", "m", "--seq-len", "64",
+                                      "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"row 6 .* add it first \(--add-rows 6\)"):
+        t1.main()
+    with pytest.raises(SystemExit, match="anchor replica"):
+        real_measure_paced(t1.ROWS[7], None, str(tmp_path), 7.5)
+    cmd = t1.paced_command("lowrank_dp200.json", argparse_ns(model="m", seq_len=64, micro_batches=2), "o", 7.5, 42, 1234)
+    assert cmd[cmd.index("--pace-mbit") + 1] == "7.5" and cmd[cmd.index("--nproc_per_node") + 1] == "4"
+    assert cmd[cmd.index("--grad-accum") + 1] == "2" and "ds_configs/lowrank_dp200.json" in cmd
+
+
+def argparse_ns(**kw):
+    import argparse
+    return argparse.Namespace(**kw)
+
+
 def test_table1_sweep_reuses_a_stored_table(tmp_path, monkeypatch):
     """``--sweep R1,R2 --from-table T``: rows T holds take their compute-only run and their point
     at T's rate from it (nothing re-measured there); speed-ups are over the Baseline at the same
@@ -266,6 +328,37 @@ def test_table1_sweep_reuses_a_stored_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--from-table", str(tmp_path / "table1.json")])
     with pytest.raises(SystemExit, match="--from-table only applies to --sweep"):
         t1.main()
+
+
+def test_table1_sweep_of_some_rows_keeps_the_stored_series_of_the_others(tmp_path, monkeypatch):
+    """``--sweep R --rows 9``: a stored sweep of the same settings keeps its other rows' series (in
+    table order) and the command that measured them; its rates join this run's; a stored sweep of
+    other settings is replaced."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+    monkeypatch.setattr(t1, "measure", lambda row, args, work, mbit, tag: {
+        "tokens_per_s": 50.0 if mbit == 0 else 40.0, "step_s": 1.0, "steps": 42, "bytes_per_token": 5.0,
+        "link_bytes_per_step": 9, "command": "new"})
+    monkeypatch.setattr(t1.os, "geteuid", lambda: 0)
+    base, low = t1.ROWS[0][0], t1.ROWS[9][0]
+    old = {"model": "m", "seq_len": 64, "from_table": None, "rates_mbit": [7.5, 15.0], "command": "old-cmd",
+           "series": {base: {"compute_only": {"tokens_per_s": 50.0},
+                             "capped": {"7.5": {"tokens_per_s": 1.0}, "15": {"tokens_per_s": 2.0}}},
+                      low: {"compute_only": {"tokens_per_s": 1.0}, "capped": {}}}}
+    (tmp_path / "table1_sweep.json").write_text(json.dumps(old))
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--sweep", "15", "--rows", "9", "--model", "m",
+                                      "--seq-len", "64", "--out", str(tmp_path)])
+    t1.main()
+    sweep = json.load(open(tmp_path / "table1_sweep.json"))
+    assert list(sweep["series"]) == [base, low] and sweep["rates_mbit"] == [7.5, 15.0]
+    assert sweep["series"][base]["capped"]["15"]["tokens_per_s"] == 2.0          # kept, not re-run
+    assert sweep["series"][low]["capped"]["15"]["tokens_per_s"] == 40.0          # re-run
+    assert sweep["speedup"][low] == {"15": 20.0} and sweep["commands_before"] == ["old-cmd"]
+    assert "earlier rows kept from `old-cmd`" in (tmp_path / "table1_sweep.md").read_text()
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--sweep", "15", "--rows", "9", "--model", "m",
+                                      "--seq-len", "128", "--out", str(tmp_path)])
+    t1.main()
+    assert list(json.load(open(tmp_path / "table1_sweep.json"))["series"]) == [low]
 
 
 def test_table1_quality_columns_are_the_full_stack_rows_of_each_rows_own_config(tmp_path, monkeypatch):
