@@ -38,17 +38,43 @@ def measured_dp_ratio(path: str = DP_JSON) -> float:
     raise KeyError(f"{path}: no powersgd+streaming_diloco entry")
 
 
+DP200 = "ds_configs/lowrank_dp200.json"     # Streaming DiLoCo with 4-bit all-gathered pseudo-gradients
+
+
 def methods(hidden: int, wire_bytes: int, lowrank_rank: int, lowrank_bits: int, dp_ratio: float) -> dict:
-    """name -> (boundary bytes per token each way, DP bytes divisor, low-rank state or None)."""
+    """name -> (boundary bytes per token each way, DP sync, low-rank state or None). DP sync:
+    ``None`` (a ring all-reduce of every gradient, every step), a number (that divided by the
+    measured reduction, synced as ``dense_dp.json`` schedules it), a config file whose quantised
+    sync is costed from its own settings (:func:`quant_sync_bytes_per_step`), or (file, collective):
+    that sync with ``quant.collective`` set."""
     k95 = max(1, round(0.05 * hidden))
     lowrank = lowrank_rank * lowrank_bits / 8 + 2        # one group: values + its bf16 scale
     return {
-        "dense": (hidden * wire_bytes, 1.0, None),
+        "dense": (hidden * wire_bytes, None, None),
         "dense + DP compression": (hidden * wire_bytes, dp_ratio, None),
-        "M95 (paper codec)": (k95 * wire_bytes, 1.0, None),
+        "M95 (paper codec)": (k95 * wire_bytes, None, None),
         "M95 + DP compression": (k95 * wire_bytes, dp_ratio, None),
         f"low-rank {lowrank_rank}x{lowrank_bits}b + DP compression (ours)": (lowrank, dp_ratio, lowrank_rank),
+        f"low-rank {lowrank_rank}x{lowrank_bits}b + 4-bit DiLoCo (lowrank_dp200)": (lowrank, DP200, lowrank_rank),
+        f"low-rank {lowrank_rank}x{lowrank_bits}b + 4-bit DiLoCo, reduce-scatter": (lowrank, (DP200, "reduce_scatter"),
+                                                                              lowrank_rank),
     }
+
+
+def quant_sync_bytes_per_step(config: str, stage_params: float, dp: int, collective: str | None = None) -> float:
+    """Bytes one rank sends per step, on average, in the quantised Streaming DiLoCo sync of
+    ``config``: one of F fragments (``stage_params / F`` values) every H / F steps, each value at
+    ``bits`` bits plus a bf16 scale per ``block``; all-gathered (a rank sends its payload to each of
+    the other ``dp - 1`` replicas: the bytes grow with the replicas) or, with ``collective``
+    ``"reduce_scatter"`` (or the config's), ``2 (dp - 1) / dp`` of it (the shape of an all-reduce)."""
+    import dataclasses
+    from bench_table1 import dp_config
+    cfg = dp_config(config)
+    if cfg.backend != "streaming_diloco" or getattr(cfg, "compression", None) != "quant":
+        raise ValueError(f"{config}: not a quantised Streaming DiLoCo sync")
+    quant = dataclasses.replace(cfg.quant, collective=collective) if collective else cfg.quant
+    _, every, _ = cfg.sync_schedule()
+    return quant.sync_bytes(int(stage_params / cfg.num_fragments), dp) / every
 
 
 def validation_setting(row: dict, params: float, framing: float) -> Setting:
@@ -108,7 +134,7 @@ def validate(table1: dict, framing: float) -> list[dict]:
     return out
 
 
-def write_validation(rows: list[dict], table1_path: str, out_dir: str, target: float = 0.15) -> None:
+def write_validation(rows: list[dict], table1_path: str, out_dir: str, target: float = 0.10) -> None:
     from benchnotes import write_section
     path = os.path.join(out_dir, "projection.json")
     d = json.load(open(path)) if os.path.exists(path) else {}
@@ -159,15 +185,20 @@ def main(argv=None):
                    link_mbit=args.link_mbit, latency_s=args.latency_ms / 1e3)
     dense_dp = ring_allreduce_bytes(args.grad_bytes * args.model_size / pp, dp)
     rows = []
-    for name, (bpt, dp_div, rank) in methods(args.hidden, args.wire_bytes, args.lowrank_rank, args.lowrank_bits,
-                                             dp_ratio).items():
+    for name, (bpt, dp_sync, rank) in methods(args.hidden, args.wire_bytes, args.lowrank_rank, args.lowrank_bits,
+                                              dp_ratio).items():
         state = 0.0
         if rank is not None:  # mean + basis + per-direction scales, bf16, each refresh, amortised
             state = args.refreshes * (args.hidden + rank * args.hidden + rank) * 2 / args.steps
-        # DP compression is PowerSGD + Streaming DiLoCo as in dense_dp.json: syncs every H / F steps,
-        # overlapped with the next step's pipeline work
-        sched = dp_schedule("ds_configs/dense_dp.json") if dp_div != 1.0 else {}
-        s = base.replace(bytes_per_token=bpt, state_bytes_per_step=state, dp_bytes_per_rank=dense_dp / dp_div, **sched)
+        if dp_sync is None:                   # the all-reduce, every step
+            dp_bytes, sched = dense_dp, {}
+        elif isinstance(dp_sync, (str, tuple)):   # a quantised sync, from its config's own settings
+            path, collective = (dp_sync, None) if isinstance(dp_sync, str) else dp_sync
+            dp_bytes = quant_sync_bytes_per_step(path, args.model_size / pp, dp, collective)
+            sched = dp_schedule(path)
+        else:  # PowerSGD + Streaming DiLoCo as in dense_dp.json: the measured reduction, its schedule
+            dp_bytes, sched = dense_dp / dp_sync, dp_schedule("ds_configs/dense_dp.json")
+        s = base.replace(bytes_per_token=bpt, state_bytes_per_step=state, dp_bytes_per_rank=dp_bytes, **sched)
         b = step_breakdown(s)
         wire_per_token = (2 * (pp - 1) * (bpt * s.tokens_per_micro * s.micro_batches + state) * dp
                           + dp * pp * s.dp_bytes_per_rank) / b["tokens_per_step"]
