@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from ds_twocircuit.config import ConfigError, TwoCircuitConfig
+from ds_twocircuit.config import ConfigError, TwoCircuitConfig, apply_overrides
 from ds_twocircuit.train import make_plan, parse_args, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -283,7 +283,6 @@ def test_set_warns_only_for_keys_deepspeed_does_not_name(tmp_path):
     warning; a misspelt section or field still warns, and the value lands either way."""
     import warnings
     from ds_twocircuit.adapters.dsconfig import deepspeed_knows
-    from ds_twocircuit.config import apply_overrides
     base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
     for good in ("bf16.enabled=true", "fp16.loss_scale=0", "gradient_clipping=0.5", "wall_clock_breakdown=true",
                  "zero_optimization.overlap_comm=true", "optimizer.params.weight_decay=0.1",
@@ -324,10 +323,17 @@ def test_device_is_the_reference_engines_and_must_exist(tmp_path):
 @pytest.mark.parametrize("shipped, screened", [("dense_dp200", "dp100_q4"), ("lowrank_dp200", "lowrank_dp100_q4")])
 def test_dp200_configs_are_the_screened_files(shipped, screened):
     """README's quality claims for the 4-bit sync come from fullstack_screen.jsonl, whose rows ran
-    docs/benchmarks/fullstack_screen_configs/*.json: the shipped file must be that config."""
+    docs/benchmarks/fullstack_screen_configs/*.json, the shipped window (overlap_steps 4) as the
+    --set override of its dp100_q4_tau4 rows: the shipped file must be that config."""
     root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "fullstack_screen.jsonl"))
+            if line.strip()]
+    tau4 = [r for r in rows if r["label"] == "dp100_q4_tau4"]
+    assert sorted(r["seed"] for r in tau4) == [0, 1, 2]
+    assert {tuple(r["overrides"]) for r in tau4} == {("twocircuit.dp.overlap_steps=4",)}
+    assert {r["config"] for r in tau4} == {"docs/benchmarks/fullstack_screen_configs/dp100_q4.json"}
     a = json.load(open(os.path.join(CONFIGS, f"{shipped}.json")))
     b = json.load(open(os.path.join(root, "docs", "benchmarks", "fullstack_screen_configs", f"{screened}.json")))
-    assert a == b
+    assert a == apply_overrides(b, list(tau4[0]["overrides"])) and a != b
     dp = a["twocircuit"]["dp"]
     assert (dp["backend"], dp["compression"], dp["quant"]["bits"]) == ("streaming_diloco", "quant", 4)
