@@ -174,6 +174,24 @@ def test_paced_async_all_reduce_overlaps_and_books_on_the_dp_stats():
     assert col.stats["bytes_sent"] == 250_000 == link.bytes
 
 
+def test_a_collective_waited_for_in_a_later_step_counts_in_that_steps_stats():
+    """Streaming DiLoCo launches a sync in one step and waits for it in a later one; each step's
+    stats are handed out (popped) at its end. The wait's seconds land in the stats popped after the
+    wait, not in the launch step's dict already handed out (where the trainer never saw them: its
+    dp_comm_s stayed 0.0)."""
+    link = pacing.Link(8.0)
+    col = Collective(pacing.PacedComm(TwoReplicas(), link))
+    pending = col.all_reduce_sum(torch.ones(62_500), async_op=True)
+    launch_step = col.pop_stats()
+    time.sleep(0.15)
+    pending.wait()
+    wait_step = col.pop_stats()
+    assert launch_step["bytes_sent"] == 250_000 and launch_step["comm_s"] == 0.0
+    # bounds that hold on a busy machine too (a sleep only overshoots)
+    assert wait_step["comm_s"] >= 0.25 * F - 0.01
+    assert 0.15 - 0.01 <= wait_step["hidden_comm_s"] <= wait_step["comm_s"]
+
+
 def test_deferred_sends_leave_in_order_at_their_booked_times():
     """The caller never waits; each message is handed to the real send when its transfer on the
     link would end (0.05 s per 50 kB at 8 Mbit/s, back to back); a failed send is raised."""

@@ -60,10 +60,12 @@ def check_finite(step: int, names, tensors, what: str = "gradient") -> None:
 
 
 class Pending:
-    """Handle of one all-reduce; ``wait()`` is idempotent and books the timing on ``stats``."""
+    """Handle of one collective; ``wait()`` is idempotent and books the timing on ``owner.stats``
+    as they are at the wait (a collective launched in one step and waited for in a later one counts
+    in the later step's stats: the launch step's were already handed out)."""
 
-    def __init__(self, stats: dict | None = None, work=None, t_launch: float = 0.0):
-        self._stats, self._work, self._t0 = stats, work, t_launch
+    def __init__(self, owner=None, work=None, t_launch: float = 0.0):
+        self._owner, self._work, self._t0 = owner, work, t_launch
         self._done_at = None
         self._fut = None
         if work is not None:
@@ -84,9 +86,10 @@ class Pending:
         self._fut.wait()   # the completion time has been recorded after this
         t_end = time.perf_counter()
         done = self._done_at if self._done_at is not None else t_end
-        self._stats["comm_s"] += done - self._t0
+        stats = self._owner.stats
+        stats["comm_s"] += done - self._t0
         # Seconds of this collective that ran while the caller did something else.
-        self._stats["hidden_comm_s"] += max(0.0, min(done, t_wait) - self._t0)
+        stats["hidden_comm_s"] += max(0.0, min(done, t_wait) - self._t0)
         self._work = self._fut = None
 
 
@@ -154,7 +157,7 @@ class Collective:
             call(False)
             self.stats["comm_s"] += time.perf_counter() - t0
             return Pending()
-        return Pending(self.stats, call(True), t0)
+        return Pending(self, call(True), t0)
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False) -> Pending:
         nbytes = wire.ring_allreduce_bytes(wire.tensor_bytes(t), self.world_size)
