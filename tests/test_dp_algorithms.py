@@ -216,7 +216,25 @@ def _sc_resume(rank, world):
     return out
 
 
-SCENARIOS = {"psgd_exact": _sc_psgd_exact, "psgd_bytes": _sc_psgd_bytes,
+def _sc_own_group(rank, world):
+    """The DP sync's communicator runs on a process group of its own over the same ranks."""
+    import torch.distributed as dist
+    from ds_twocircuit.adapters.comm import TorchComm
+    comm = dp_comm(None, world)
+    assert isinstance(comm, TorchComm)
+    t = torch.full((3,), float(rank + 1))
+    comm.all_reduce_sum(t)
+    big = torch.zeros(world * 4, dtype=torch.uint8)
+    work = comm.all_gather_into(big, torch.full((4,), rank, dtype=torch.uint8), async_op=True)
+    small = torch.ones(1)
+    dist.all_reduce(small)                     # the engine's own collective, with the sync in flight
+    work.wait()
+    return {"distinct": comm.group is not None and comm.group != dist.group.WORLD,
+            "ranks": dist.get_process_group_ranks(comm.group), "sum": t.tolist(), "small": small.item(),
+            "gathered": big.tolist()}
+
+
+SCENARIOS = {"own_group": _sc_own_group, "psgd_exact": _sc_psgd_exact, "psgd_bytes": _sc_psgd_bytes,
              "diloco_h1": _sc_diloco_h1, "diloco_drift": _sc_diloco_drift,
              "streaming": _sc_streaming, "resume": _sc_resume}
 
@@ -521,6 +539,17 @@ def test_diloco_outer_nesterov_matches_torch_sgd():
         b.after_optimizer_step(s)
         if s % 2 == 1:
             assert torch.allclose(p, ref, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_the_dp_sync_has_a_process_group_of_its_own(dist_suite):
+    """Its own connections: the engine's per-step collectives on the DP group (DeepSpeed's loss
+    all-reduce) do not queue behind a sync in flight, as they did on a capped link (a 40 s stall
+    after each launch at 7.17 Mbit/s, docs/benchmarks/table1.md)."""
+    for r in _get(dist_suite, "own_group"):
+        assert r["distinct"] and r["ranks"] == [0, 1]
+        assert r["sum"] == [3.0, 3.0, 3.0] and r["small"] == 2.0
+        assert r["gathered"] == [0] * 4 + [1] * 4
 
 
 @pytest.mark.multiproc
