@@ -234,7 +234,32 @@ def _sc_own_group(rank, world):
             "gathered": big.tolist()}
 
 
-SCENARIOS = {"own_group": _sc_own_group, "psgd_exact": _sc_psgd_exact, "psgd_bytes": _sc_psgd_bytes,
+def _sc_chunked(rank, world):
+    """All-gathers and all-to-alls bigger than a piece go out in pieces and land as one would."""
+    from ds_twocircuit.adapters import comm as comm_mod
+    comm = dp_comm(None, world)
+    old, comm_mod.CHUNK_BYTES = comm_mod.CHUNK_BYTES, 8
+    try:
+        t = (torch.arange(37, dtype=torch.int32) + 100 * rank).to(torch.uint8)
+        gathered, gathered_async = torch.empty(world * 37, dtype=torch.uint8), torch.empty(world * 37, dtype=torch.uint8)
+        assert comm.all_gather_into(gathered, t) is None
+        work = comm.all_gather_into(gathered_async, t, async_op=True)
+        work.get_future().wait()
+        work.wait()
+        rows = torch.stack([(torch.arange(37, dtype=torch.int32) + 100 * r).to(torch.uint8)
+                            for r in range(world)])            # row j: for replica j
+        src = rows + rank                                       # what this replica sends each
+        got, got_async = torch.empty_like(src), torch.empty_like(src)
+        assert comm.all_to_all_into(got, src) is None
+        work = comm.all_to_all_into(got_async, src, async_op=True)
+        work.wait()
+    finally:
+        comm_mod.CHUNK_BYTES = old
+    return {"gathered": gathered.tolist(), "gathered_async": gathered_async.tolist(), "got": got.tolist(),
+            "got_async": got_async.tolist()}
+
+
+SCENARIOS = {"chunked": _sc_chunked, "own_group": _sc_own_group, "psgd_exact": _sc_psgd_exact, "psgd_bytes": _sc_psgd_bytes,
              "diloco_h1": _sc_diloco_h1, "diloco_drift": _sc_diloco_drift,
              "streaming": _sc_streaming, "resume": _sc_resume}
 
@@ -539,6 +564,18 @@ def test_diloco_outer_nesterov_matches_torch_sgd():
         b.after_optimizer_step(s)
         if s % 2 == 1:
             assert torch.allclose(p, ref, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_big_collectives_go_out_in_pieces_and_land_whole(dist_suite):
+    """37 bytes in pieces of 8: every replica gets every replica's bytes in rank order (all-gather),
+    and row i of what it receives is what replica i sent it (all-to-all), blocking or not."""
+    res = _get(dist_suite, "chunked")
+    payload = [[(k + 100 * r) % 256 for k in range(37)] for r in range(2)]
+    for rank, r in enumerate(res):
+        assert r["gathered"] == r["gathered_async"] == payload[0] + payload[1]
+        expect = [[(k + 100 * rank + i) % 256 for k in range(37)] for i in range(2)]
+        assert r["got"] == r["got_async"] == expect
 
 
 @pytest.mark.multiproc
