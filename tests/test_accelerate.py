@@ -79,6 +79,18 @@ def test_diloco_backends_under_accelerate(tmp_path, name, dp, ratio):
     assert s["replicas_identical"] and s["dp/replicas_in_sync"] == 1.0
 
 
+def test_overlapped_syncs_report_their_seconds_under_accelerate(tmp_path):
+    """The shipped Streaming DiLoCo config (overlapped, PowerSGD): a sync launched in one step and
+    waited for in the next books its seconds there (they were lost with the launch step's stats,
+    so ``dp/comm_s`` and ``dp/hidden_comm_s`` read 0.0), and the time hidden behind compute is part
+    of the total."""
+    dp = json.load(open(os.path.join(ROOT, "ds_configs", "accelerate", "streaming_diloco.json")))["twocircuit"]["dp"]
+    dp = {**dp, "inner_steps": 2}                          # a fragment's sync every step, 5 of them in 6 steps
+    s, _, _ = _launch(tmp_path, "streaming_diloco", dp, 6)
+    assert s["dp/collectives"] > 0 and s["dp/comm_s"] > 0
+    assert 0 < s["dp/hidden_comm_s"] <= s["dp/comm_s"]
+
+
 def test_trainer_callback_logs_dp_metrics(tmp_path):
     """examples/hf_trainer.py under accelerate launch: the callback attaches DiLoCo (H = 2), every
     log carries the DP totals so far, and the last entry (after the end-of-run sync) the run's."""
