@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_twocircuit import wire
 from ds_twocircuit.codecs.quant import SCALE_DTYPE, dequantize_groups, quantize_groups
 from ds_twocircuit.configkit import ConfigError, check_keys
 from ds_twocircuit.dp.base import Collective, Pending
@@ -96,12 +97,12 @@ class QuantConfig:
         return -(-numel // (world * self.block)) * self.block
 
     def sync_bytes(self, numel: int, world: int) -> int:
-        """Bytes one replica sends to average ``numel`` values over ``world`` replicas."""
-        if world <= 1:
-            return 0
+        """Bytes one replica sends to average ``numel`` values over ``world`` replicas, as
+        :class:`~ds_twocircuit.dp.base.Collective` counts them (the wire module's formulas)."""
         if self.collective == "all_gather":
-            return (world - 1) * self.payload_bytes(numel)
-        return 2 * (world - 1) * self.payload_bytes(self.chunk_numel(numel, world))
+            return wire.ring_allgather_bytes(self.payload_bytes(numel), world)
+        chunk = self.payload_bytes(self.chunk_numel(numel, world))
+        return wire.alltoall_bytes(world * chunk, world) + wire.ring_allgather_bytes(chunk, world)
 
 
 def encode(flat: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
