@@ -403,12 +403,26 @@ def main():
                    help="comma-separated row indices of the table already in --out to run again with the software "
                         "throttle at its link rate (train.py --pace-mbit; plain processes: no root needed)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the uncapped runs")
+    p.add_argument("--refresh-quality", action="store_true",
+                   help="run nothing: rewrite the stored table's held-out loss column from the full-stack study's "
+                        "rows as they are now (docs/benchmarks/fullstack.jsonl, written by launch/bench_quality.py)")
     p.add_argument("--from-table", default=None,
                    help="sweep: a stored table1.json run with the same settings; rows it holds take their "
                         "compute-only run and their point at its link rate from it (added to the rates)")
     p.add_argument("--out", default=OUT, help="folder for table1.json / .md (sweep: table1_sweep.json / .png)")
     args = p.parse_args()
     command = "python launch/bench_table1.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.refresh_quality:
+        if args.sweep or args.add_rows or args.paced_rows or args.paper_equivalent or args.rows:
+            sys.exit("error: --refresh-quality runs nothing: --sweep, --add-rows, --paced-rows, "
+                     "--paper-equivalent and --rows do not apply")
+        path = os.path.join(args.out, "table1.json")
+        if not os.path.exists(path):
+            sys.exit(f"error: --refresh-quality: no table at {path} (run the table first)")
+        res = json.load(open(path))
+        refresh_quality(res)
+        json.dump(res, open(path, "w"), indent=2)
+        return finish(res, args.out)
     if args.paced_rows:
         if args.sweep or args.add_rows or args.paper_equivalent or args.rows:
             sys.exit("error: --paced-rows runs stored rows at the stored table's rate: --sweep, --add-rows, "

@@ -383,3 +383,41 @@ def test_table1_quality_columns_are_the_full_stack_rows_of_each_rows_own_config(
     assert res["rows"][0]["heldout_loss"] == 2.1
     assert res["rows"][0]["quality_from"] == "docs/benchmarks/fullstack.jsonl (dense, 2 seeds, 251,904 tokens)"
     assert "heldout_loss" not in res["rows"][1] and "heldout_loss" not in res["rows"][2]   # M95's full stack: -
+
+def test_table1_refresh_quality_rewrites_the_loss_column_from_the_study_rows(tmp_path, monkeypatch):
+    """``--refresh-quality`` runs nothing and takes each row's held-out loss from the full-stack
+    study as it is now: the mean over the seeds of that row's own config on sympy, PP 2 x DP 2,
+    without overrides; a config the study has not measured shows '-'."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_table1 as t1
+
+    def no_runs(*a, **k):
+        raise AssertionError("--refresh-quality must not run anything")
+    monkeypatch.setattr(t1, "measure", no_runs)
+    monkeypatch.setattr(t1, "measure_paced", no_runs)
+    monkeypatch.setattr(t1, "OUT", str(tmp_path))
+    kinds = dict.fromkeys(("pp_activations", "pp_gradients", "codec_state", "dp", "anchor"), 1.0)
+    rows = [{"variant": t1.ROWS[i][0], "config": f"ds_configs/{t1.ROWS[i][1]}", "tokens_per_s": 10.0 * (i + 1),
+             "tokens_per_s_compute_only": 50.0, "speedup": 1.0, "bytes_per_token": 5.0, "micro_batches": 2,
+             "link_bytes_per_step": 3, "bytes_by_kind": kinds, "heldout_loss": 9.9, "quality_from": "stale"} for i in (0, 8, 9)]
+    (tmp_path / "table1.json").write_text(json.dumps({"model": "smollm2-135m", "seq_len": 64, "link_mbit": 7.5,
+                                                      "command": "c", "mesh": "pp=2 x dp=2", "rows": rows}))
+    study = [("dense", 0, "sympy", None, 2.10), ("dense", 1, "sympy", None, 2.20),
+             ("dense", 0, "deepspeed-cpp", None, 1.00),                    # another domain: not this column
+             ("lowrank_dp200", 0, "sympy", None, 2.25),
+             ("lowrank_dp200", 1, "sympy", ["twocircuit.dp.overlap_steps=1"], 5.0)]   # a screen's override
+    with open(tmp_path / "fullstack.jsonl", "w") as f:
+        for label, seed, domain, overrides, loss in study:
+            f.write(json.dumps({"label": label, "seed": seed, "domain": domain, "pp": 2, "dp": 2, "tokens": 251904,
+                                "heldout_loss": loss, **({"overrides": overrides} if overrides else {})}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--refresh-quality", "--out", str(tmp_path)])
+    t1.main()
+    got = {r["variant"]: (r.get("heldout_loss"), r.get("quality_from")) for r in json.load(open(tmp_path / "table1.json"))["rows"]}
+    assert got[t1.ROWS[0][0]] == (2.15, "docs/benchmarks/fullstack.jsonl (dense, 2 seeds, 251,904 tokens)")
+    assert got[t1.ROWS[9][0]] == (2.25, "docs/benchmarks/fullstack.jsonl (lowrank_dp200, 1 seed, 251,904 tokens)")
+    assert got[t1.ROWS[8][0]] == (None, None)                              # lowrank_dp.json: not in the study
+    md = (tmp_path / "table1.md").read_text()
+    assert "| 2.150 |" in md and "| 2.250 |" in md and "9.900" not in md and md.count("| - |") >= 1
+    monkeypatch.setattr(sys, "argv", ["bench_table1.py", "--refresh-quality", "--add-rows", "9", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="runs nothing"):
+        t1.main()
