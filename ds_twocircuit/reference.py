@@ -26,16 +26,17 @@ class _CodecLink(torch.autograd.Function):
     (``count``: False for a probe that is not traffic)."""
 
     @staticmethod
-    def forward(ctx, x, pair, msg, count=True):
+    def forward(ctx, x, pair, msg, count=True, ref=None):
         send, recv = pair
         n_state = send.state_tensor_count(msg)
-        bufs = [b.clone() for b in send.pack_activation(x, msg)]
+        kw = {"ref": ref} if send.needs_reference else {}
+        bufs = [b.clone() for b in send.pack_activation(x, msg, **kw)]
         if count:
             kind = "pp_activations" if msg.train else "pp_eval"
             wire.count("pp_codec_state" if msg.train else "pp_eval", sum(map(wire.tensor_bytes, bufs[:n_state])))
             wire.count(kind, sum(map(wire.tensor_bytes, bufs[n_state:])))
         ctx.pair, ctx.msg, ctx.count = pair, msg, count
-        return recv.unpack_activation(bufs, msg, x.dtype)
+        return recv.unpack_activation(bufs, msg, x.dtype, **kw)
 
     @staticmethod
     def backward(ctx, g):
@@ -46,7 +47,11 @@ class _CodecLink(torch.autograd.Function):
             wire.count("pp_gradients", sum(map(wire.tensor_bytes, bufs)))
         out = send.unpack_gradient(bufs, ctx.msg, g.dtype)
         send.forget(ctx.msg)
-        return out, None, None, None
+        return out, None, None, None, None
+
+
+class _Stop(Exception):
+    """Raised by the reference model's last boundary hook: nothing after it is needed."""
 
 
 class BoundaryMasker:
@@ -60,10 +65,15 @@ class BoundaryMasker:
     ``dense = True`` sends the boundary through a dense codec pair instead (``dense_factory``: the
     run's wire dtype, its bytes counted), as the engine does for dense evaluation and clean steps;
     ``enabled = False`` lets it through untouched and uncounted (the anchor's own dense pass, not
-    fast-circuit traffic)."""
+    fast-circuit traffic).
+
+    ``reference_model``: for a codec that ``needs_reference``, a frozen copy of the base model (the
+    same architecture, its pretrained weights): its activation at each boundary for the tokens of the
+    current forward pass is the codec's ``ref``, as each end of a real link computes it for itself.
+    It runs forward only, under ``no_grad``, and stops at the last boundary."""
 
     def __init__(self, model, num_stages: int, codec_factory, seed: int = 0, partition: str = "balanced",
-                 parts: list[int] | None = None, gas: int = 1, dense_factory=None):
+                 parts: list[int] | None = None, gas: int = 1, dense_factory=None, reference_model=None):
         cfg = model.config
         self.model = model
         self.num_layers = int(cfg.num_hidden_layers)
@@ -80,6 +90,10 @@ class BoundaryMasker:
         self._pairs: dict = {}
         self._dense_pairs: dict = {}
         self._handles = []
+        self.reference_model = reference_model
+        self._ids = None          # the input ids of the forward pass in flight
+        self._refs: dict = {}     # boundary -> the reference model's activation for them
+        self._ref_handles = []
         self.attach()
 
     def attach(self) -> None:
@@ -90,6 +104,41 @@ class BoundaryMasker:
         for b, layer in enumerate(boundary_layers(self.parts)):
             mod = self.model.get_submodule(layer_module_name(_Spec, layer))
             self._handles.append(mod.register_forward_hook(self._hook(b)))
+        self._handles.append(self.model.register_forward_pre_hook(self._capture_ids, with_kwargs=True))
+        if self.reference_model is not None and not self._ref_handles:
+            layers = boundary_layers(self.parts)
+            for b, layer in enumerate(layers):
+                mod = self.reference_model.get_submodule(layer_module_name(_Spec, layer))
+                self._ref_handles.append(mod.register_forward_hook(self._ref_hook(b, b == len(layers) - 1)))
+
+    def _capture_ids(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._ids = ids
+        self._refs = {}
+
+    def _ref_hook(self, boundary: int, last: bool):
+        def hook(module, inputs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            self._refs[boundary] = h.detach()
+            if last:
+                raise _Stop
+        return hook
+
+    def reference(self, boundary: int) -> torch.Tensor:
+        """The reference model's activation at ``boundary`` for the current forward pass's tokens."""
+        if self.reference_model is None:
+            raise ValueError("this boundary codec codes the drift from the base model (reference = 'base'), "
+                             "but no reference model was given to the BoundaryMasker")
+        if boundary not in self._refs:
+            if self._ids is None:
+                raise ValueError("reference = 'base': the model was not called with input_ids, so the base "
+                                 "model's activation cannot be computed")
+            with torch.no_grad():
+                try:
+                    self.reference_model(input_ids=self._ids)
+                except _Stop:
+                    pass
+        return self._refs[boundary]
 
     def set_message(self, step: int, micro_batch: int) -> None:
         self.step, self.micro = int(step), int(micro_batch)
@@ -126,12 +175,13 @@ class BoundaryMasker:
             pair[1].reset()
         key = masks.mask_key(self.seed, boundary, self.step, self.micro, h.shape[-1])
         msg = pair[0].message(key, h.shape, self.step % masks.EVAL_STEP_OFFSET, first_of_step=first, train=train)
-        return _CodecLink.apply(h, pair, msg, self.count)
+        ref = self.reference(boundary).to(h.dtype) if pair[0].needs_reference else None
+        return _CodecLink.apply(h, pair, msg, self.count, ref)
 
     def remove(self) -> None:
-        for hd in self._handles:
+        for hd in self._handles + self._ref_handles:
             hd.remove()
-        self._handles = []
+        self._handles, self._ref_handles = [], []
 
 
 def untie_head(model) -> None:

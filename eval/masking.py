@@ -72,7 +72,12 @@ class MaskedInference:
         if settings.get("partition") and not kw:
             kw["partition"] = settings["partition"]
         try:
-            build_codec(settings["mode"], settings["wire_dtype"], settings.get("codec") or None)  # errors now
+            probe = build_codec(settings["mode"], settings["wire_dtype"], settings.get("codec") or None)  # errors now
+            if probe.needs_reference:
+                raise ValueError("the run's codec codes the drift from the base model (twocircuit.codec.reference "
+                                 "= \"base\"); the eval CLI cannot serve it coded yet (it would need the base "
+                                 "model beside the checkpoint): score it dense, or through the codec with "
+                                 "launch/bench_quality.py")
 
             def factory():
                 return build_codec(settings["mode"], settings["wire_dtype"], settings.get("codec") or None,

@@ -117,6 +117,9 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
     hidden, links = summary["hidden_size"], summary["mesh"]["pp"] - 1
     pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"]
     per_token = pp / (2 * tokens_run * links) if links else 0.0   # per boundary, per direction, state included
+    # each direction on its own (a codec may spend differently each way; its state travels forward)
+    fwd = (wb["pp_activations"] + wb["pp_codec_state"]) / (tokens_run * links) if links else 0.0
+    bwd = wb["pp_gradients"] / (tokens_run * links) if links else 0.0
     dtype_bytes = 4   # the study trains in fp32 (the reference engine); bf16 users: the _bf16 ratio
     final = summary.get("dp_final_sync_bytes", 0)   # the end-of-run sync that makes replicas agree
     first = summary["heldout_curve"][0] if summary.get("heldout_curve") else {}
@@ -135,6 +138,9 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
         "pp_bytes_per_token": round(per_token, 3),
         "pp_bytes_ratio": round(hidden * dtype_bytes / per_token, 3) if per_token else None,
         "pp_bytes_ratio_bf16": round(hidden * 2 / per_token, 3) if per_token else None,
+        "pp_bytes_per_token_fwd": round(fwd, 3), "pp_bytes_per_token_bwd": round(bwd, 3),
+        # the busier direction against a bf16 boundary: the bound a per-direction budget must meet
+        "pp_bytes_ratio_bf16_busier": round(hidden * 2 / max(fwd, bwd), 3) if max(fwd, bwd) else None,
         "pp_codec_state_bytes": wb["pp_codec_state"],
         "dp_bytes": wb["dp"], "anchor_bytes": wb["anchor"], "dp_final_sync_bytes": final,
         "bytes_per_token_by_kind": {k: round(v / tokens_run, 3) for k, v in sorted(wb.items())},
@@ -236,6 +242,7 @@ def summarise(rows: list[dict], baseline: str) -> list[dict]:
                             if paired else None),
             "pp_bytes_per_token": rs[0]["pp_bytes_per_token"], "pp_bytes_ratio": rs[0]["pp_bytes_ratio"],
             "pp_bytes_ratio_bf16": rs[0]["pp_bytes_ratio_bf16"],
+            "pp_bytes_ratio_bf16_busier": rs[0].get("pp_bytes_ratio_bf16_busier"),
             "dp_bytes": rs[0]["dp_bytes"], "anchor_bytes": rs[0]["anchor_bytes"],
             "dp": rs[0].get("dp", 1), "dp_ratio": rs[0].get("dp_ratio"), "dp_ratio_total": rs[0].get("dp_ratio_total"),
             "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in rs), 1),
@@ -258,6 +265,12 @@ def add_dp_ratios(rows: list[dict], baseline: str) -> None:
         r["dp_ratio_total"] = round(ref / total, 2) if ref and total else None
 
 
+def _ratio_bf16(s: dict) -> float:
+    """How many times fewer boundary bytes than bf16: the busier direction's where the row has it
+    (rows from before it was recorded: both directions' mean)."""
+    return s.get("pp_bytes_ratio_bf16_busier") or s["pp_bytes_ratio_bf16"] or 0
+
+
 def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, within: float = 0.01,
               min_dp_ratio: float = 0.0, min_seeds: int = 2):
     """The config with the lowest mean held-out loss among those at >= ``min_ratio_bf16`` fewer
@@ -269,7 +282,7 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
         by_label.setdefault(s["label"], []).append(s)
     ok = []
     for label, ss in by_label.items():
-        if label == baseline or any((s["pp_bytes_ratio_bf16"] or 0) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
+        if label == baseline or any(_ratio_bf16(s) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
                                     or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
                                     or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue

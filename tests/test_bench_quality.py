@@ -41,6 +41,10 @@ def test_rows_come_from_the_trainer_on_the_config_files(tmp_path):
     state = coded["pp_codec_state_bytes"]
     assert state == 2 * (H + H * 16 + 16)                     # lowrank.json: coef_norm sqrt_std (16 scales)
     assert coded["pp_bytes_per_token"] == pytest.approx(10 + state / (2 * tokens), abs=1e-3)
+    # each direction: the state travels with the activations; the busier one sets the bf16 bound
+    assert coded["pp_bytes_per_token_fwd"] == pytest.approx(10 + state / tokens, abs=1e-3)
+    assert coded["pp_bytes_per_token_bwd"] == 10
+    assert coded["pp_bytes_ratio_bf16_busier"] == pytest.approx(H * 2 / (10 + state / tokens), abs=1e-3)
     assert coded["heldout_loss_coded"] is not None and dense["heldout_loss_coded"] is None
     assert dense["heldout_loss_base"] == coded["heldout_loss_base"]          # the same held-out windows
     assert [c["step"] for c in coded["curve"]] == [0, 2]
@@ -77,6 +81,13 @@ def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     rows[-1] = row("a", 1, 2.211, 20.2)
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"
+    # better than a and 25x on the mean of both directions, but its busier direction is only 15x
+    e = [dict(row("e", seed, loss, 25.0), pp_bytes_ratio_bf16_busier=15.0) for seed, loss in ((0, 1.99), (1, 2.19))]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows + e))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"
+    e = [dict(r, pp_bytes_ratio_bf16_busier=21.0) for r in e]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows + e))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/e.json"
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -233,3 +233,32 @@ def test_set_refuses_what_the_optimizer_does_not_take(tmp_path):
         args = train.parse_args(["--engine", "reference", "--model", "tiny", "--deepspeed", config, *bad])
         with pytest.raises(Exception, match=needle):
             train.make_plan(args, 1)
+
+
+def test_reference_base_codes_the_drift_from_the_frozen_base_model(tmp_path):
+    """twocircuit.codec.reference = base: the boundary carries the drift from the base model's own
+    activation (a frozen copy the engine keeps). At step 0 the drift is zero, so the first step's loss
+    is dense training's exactly, where the plain codec at the same bytes is not; the bytes are the
+    layout's each way (activations: groups, gradients: grad_groups) plus the two bases of state."""
+    dense, dense_loss, _ = _run(tmp_path, _config(tmp_path, "dense"), "dense", steps=2)
+    plain, plain_loss, _ = _run(tmp_path, _config(tmp_path), "plain", steps=2)
+    codec = {"groups": [[8, 4]], "grad_groups": [[16, 4]], "refresh_steps": [0, 1], "reference": "base"}
+    ref, ref_loss, _ = _run(tmp_path, _config(tmp_path, codec=codec), "ref", steps=2)
+    assert ref_loss[0] == dense_loss[0] != plain_loss[0]
+    assert ref_loss[1] != dense_loss[1]                    # the gradient was coded at step 0
+    H, tokens_per_step = _hidden(), MB * GAS * SEQ
+    assert ref["codec"]["reference"] == "base" and ref["codec"]["grad_rank"] == 16
+    assert ref["wire_bytes"]["pp_activations"] == 2 * tokens_per_step * (8 * 4 // 8 + 2)
+    assert ref["wire_bytes"]["pp_gradients"] == 2 * tokens_per_step * (16 * 4 // 8 + 2)
+    assert ref["wire_bytes"]["pp_codec_state"] == 2 * 2 * (H + H * 8 + H * 16)   # refreshed at steps 0 and 1
+    # the coded evaluation adds the base activation too: through the codec it is near the dense score
+    # (2 steps of drift), where the plain codec's 8 directions are not
+    assert abs(ref["heldout_loss_masked"] - ref["heldout_loss"]) < abs(plain["heldout_loss_masked"] - plain["heldout_loss"])
+
+
+def test_reference_base_is_refused_on_the_pipeline_engine(tmp_path):
+    from ds_twocircuit.config import ConfigError
+    from ds_twocircuit.train import make_plan, parse_args
+    cfg = _config(tmp_path, codec={"groups": [[8, 4]], "reference": "base"})
+    with pytest.raises(ConfigError, match=r"twocircuit\.codec\.reference = 'base' runs on the single-process"):
+        make_plan(parse_args(["--model", "tiny", "--deepspeed", cfg]), 2)

@@ -1,5 +1,7 @@
 """Stateful boundary codecs (meanfill, lowrank): quantisation, state protocol, exact gradients,
 byte counts, config errors, checkpoint state. Pure torch, single process."""
+import copy
+
 import pytest
 import torch
 
@@ -304,3 +306,88 @@ def test_screen_clip_global_is_torchs_rule():
     for p, t in zip(params, clipped.values()):
         assert torch.allclose(p.grad, t, rtol=1e-5)
     assert mod.clip_global(g, 0.0) is g and mod.clip_global(g, norm * 2) is g
+
+
+def _ref_pair(groups=((8, 4),), grad_groups=((16, 4),), refresh=(0,)):
+    cfg = {"groups": [list(g) for g in groups], "grad_groups": [list(g) for g in grad_groups],
+           "refresh_steps": list(refresh), "reference": "base"}
+    return build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+
+
+def test_lowrank_reference_codes_the_drift_from_the_base_activation_and_ships_a_gradient_basis():
+    """reference = base: only x - ref is coded (on the drift's own basis), both ends add ref back; the
+    gradient goes back on the activations' principal basis (grad_groups), shipped as counted state."""
+    torch.manual_seed(11)
+    H, T = 64, 300
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    ref = (torch.randn(T, H) * torch.logspace(0.5, -1, H)) @ q.T + 2.0      # full rank, decaying spectrum
+    drift = 0.1 * torch.randn(T, 4) @ torch.linalg.qr(torch.randn(H, 4))[0].T
+    x = ref + drift
+    send, recv = _ref_pair()
+    assert send.needs_reference and send.payload_bytes(H, 4) == (4 + 2, 8 + 2)
+    msg = _msg((T, H), refresh=True)
+    assert send.state_tensor_count(msg) == recv.state_tensor_count(msg) == 3   # mean, basis, grad basis
+    bufs = send.pack_activation(x, msg, ref=ref)
+    assert [tuple(b.shape) for b in bufs] == [(H,), (H, 8), (H, 16), (T, 4), (T, 1)]
+    assert send.state_bytes_sent == 2 * (H + H * 8 + H * 16)
+    y = recv.unpack_activation([b.clone() for b in bufs], msg, torch.float32, ref=ref)
+    err = float((y - x).norm() / (x - x.mean(0)).norm())
+    plain_s, plain_r = _lowrank(((8, 4),)), _lowrank(((8, 4),))
+    yp = plain_r.unpack_activation(plain_s.pack_activation(x, msg), msg, torch.float32)
+    err_plain = float((yp - x).norm() / (x - x.mean(0)).norm())
+    assert err < 0.01 and err_plain > 0.3, (err, err_plain)
+    # the gradient's basis: the activations' own leading directions (bf16), the same on both ends
+    assert torch.equal(send.grad_basis, recv.grad_basis) and send.grad_basis.shape == (H, 16)
+    top = principal_basis(torch.cov(x.T.double(), correction=0), 16).float()
+    assert torch.allclose(send.grad_basis, top, atol=2e-2)
+    # exact straight-through gradient on that basis, at grad_groups' bytes
+    xx = x.clone().requires_grad_()
+    m2 = _msg((T, H), key=5)
+    w = torch.randn(T, H)
+    (_CodecLink.apply(xx, (send, recv), m2, True, ref) * w).sum().backward()
+    p, s = quantize_groups(w @ send.grad_basis, [(16, 4)])
+    assert torch.equal(xx.grad, dequantize_groups(p, s, [(16, 4)]) @ send.grad_basis.T)
+    assert sum(b.numel() * b.element_size() for b in recv.pack_gradient(w, m2)) == T * group_bytes([(16, 4)])
+    # both moments survive a checkpoint: the next refresh fits the same two bases
+    send2 = _ref_pair()[0]
+    send2.load_state_dict(copy.deepcopy(send.state_dict()))   # as a checkpoint does: its own tensors
+    m3 = _msg((T, H), key=9, refresh=True)
+    assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m3, ref=ref), send2.pack_activation(x, m3, ref=ref)))
+    # no reference given: refused, naming it
+    with pytest.raises(ValueError, match="reference = 'base' needs the base model's activation"):
+        send.pack_activation(x, _msg((T, H), key=10))
+
+
+def test_lowrank_zero_drift_is_sent_exactly():
+    """At step 0 of a fine-tune the model is the base model: the drift is zero and the receiver gets
+    the activation bit for bit."""
+    send, recv = _ref_pair()
+    x = torch.randn(40, 64) * 3
+    msg = _msg((40, 64), refresh=True)
+    y = recv.unpack_activation(send.pack_activation(x, msg, ref=x.clone()), msg, torch.float32, ref=x.clone())
+    assert torch.equal(y, x)
+
+
+def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
+    send, recv = _pair(groups=((24, 8),))
+    cfg = {"groups": [[24, 8]], "grad_groups": [[8, 4]], "refresh_steps": [0]}
+    send, recv = build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+    x = torch.randn(30, 64)
+    msg = _msg((30, 64), refresh=True)
+    recv.unpack_activation(send.pack_activation(x, msg), msg, torch.float32)
+    assert send.payload_bytes(64, 4) == (24 + 2, 4 + 2) and send.state_tensor_count(msg) == 2
+    g = torch.randn(30, 64)
+    out = send.unpack_gradient(recv.pack_gradient(g, msg), msg, torch.float32)
+    U = send.basis[:, :8]
+    p, s = quantize_groups(g @ U, [(8, 4)])
+    assert torch.equal(out, dequantize_groups(p, s, [(8, 4)]) @ U.T)
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({"groups": [[8, 4]], "grad_groups": [[16, 4]]}, "twocircuit.codec.grad_groups: 16 gradient coefficients"),
+    ({"groups": [[8, 4]], "reference": "prev"}, "twocircuit.codec.reference"),
+    ({"groups": [[8, 4]], "grad_groups": [[3, 4]], "reference": "base"}, "twocircuit.codec.grad_groups"),
+])
+def test_lowrank_reference_and_grad_groups_errors_name_the_key(section, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        TwoCircuitConfig.from_dict({"mode": "lowrank", "codec": section})

@@ -58,6 +58,11 @@ class MaskedPipelineEngine(PipelineEngine):
         # stateful codec's state (mean, basis) belongs to one link
         self.codec_out = make_codec(tc)   # activations out, gradients in
         self.codec_in = make_codec(tc)    # activations in, gradients out
+        if self.codec_out.needs_reference:
+            from ..configkit import ConfigError
+            raise ConfigError("twocircuit.codec.reference = \"base\" runs on the single-process reference "
+                              "engine only so far (launch/train.py --engine reference): the pipeline engine "
+                              "does not compute the base model's boundary activation on each stage yet")
         self.dp_backend = dp_backend
         self.dp_rank = self.grid.get_data_parallel_id()
         self._key_step = 0

@@ -65,13 +65,17 @@ class Codec:
     * ``uses_mask`` -- ``twocircuit.mask_rate`` / ``warmup_steps`` / ``ramp_steps`` / ``rescale`` act
       on it (the kept channels per token follow the mask schedule); otherwise every token keeps its H
       channels' worth of information and those keys must stay at their defaults;
-    * ``config_cls`` -- the dataclass of its ``twocircuit.codec`` section (``None``: no section).
+    * ``config_cls`` -- the dataclass of its ``twocircuit.codec`` section (``None``: no section);
+    * ``needs_reference`` -- ``pack_activation`` / ``unpack_activation`` take ``ref``, the base
+      (pretrained, frozen) model's activation at this boundary for the same tokens, which each end
+      computes for itself (``lowrank`` with ``reference: "base"``).
     """
 
     name = "base"
     stateful = False
     uses_mask = False
     config_cls = None
+    needs_reference = False
 
     def __init__(self, wire_dtype=None, schedule: masks.MaskSchedule | None = None, rescale: bool = False,
                  cfg=None):

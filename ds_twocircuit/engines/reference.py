@@ -233,10 +233,16 @@ class ReferenceEngine:
         self.replicas: list[_Replica] = []
         # every copy before any hook: a deep copy would carry the first replica's boundary hooks
         models = [base] + [copy.deepcopy(base) for _ in range(plan.dp - 1)]
+        reference_model = None
+        if plan.pp > 1 and make_codec(tc).needs_reference:
+            # the base model's frozen copy (taken before any checkpoint is loaded): every replica's
+            # links code the drift from its activations (twocircuit.codec.reference = "base")
+            reference_model = copy.deepcopy(base).eval().requires_grad_(False)
         for r, model in enumerate(models):
             masker = BoundaryMasker(model, plan.pp, lambda: make_codec(tc), seed=self.mask_seed,
                                     parts=plan.parts, gas=plan.gas,
-                                    dense_factory=lambda: build_codec(DENSE, tc.wire_dtype))
+                                    dense_factory=lambda: build_codec(DENSE, tc.wire_dtype),
+                                    reference_model=reference_model)
             trainable = [p for p in model.parameters() if p.requires_grad]
             opt = build_optimizer(plan, trainable)
             correction = None
