@@ -181,6 +181,19 @@ def test_coded_inference_through_the_lowrank_codec(tiny_folder):
     assert torch.equal(_logits(ck.model), dense)
 
 
+def test_coded_inference_of_a_drift_codec_is_refused_with_what_to_do(tiny_folder):
+    """reference = base needs the base model beside the checkpoint: the eval CLI says so, and leaves
+    the model uncoded."""
+    ck = load_checkpoint(tiny_folder, dtype="float32")
+    dense = _logits(ck.model)
+    summary = {"config": {"twocircuit": {"mode": "lowrank", "mask_rate": 0.0, "partition": "balanced",
+                                         "codec": {"groups": [[8, 4]], "reference": "base"}}, "seed": 0},
+               "mesh": {"pp": 2}, "steps": 4}
+    with pytest.raises(MaskingError, match=r"--masked: .*reference = \"base\".*score it dense"):
+        MaskedInference(ck.model, mask_settings(summary))
+    assert torch.equal(_logits(ck.model), dense)
+
+
 @pytest.mark.multiproc
 def test_real_training_checkpoint_loads_like_its_hf_folder(tmp_path):
     """A 2-stage DeepSpeed run with --save-checkpoint: its pipeline layer files give the same
