@@ -13,6 +13,8 @@ is an autograd function, the gradient goes back through the codec too. Serves:
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import masks, wire
@@ -94,6 +96,7 @@ class BoundaryMasker:
         self._ids = None          # the input ids of the forward pass in flight
         self._refs: dict = {}     # boundary -> the reference model's activation for them
         self._ref_handles = []
+        self._ref_thread = None   # the thread whose reference call is in flight
         self.attach()
 
     def attach(self) -> None:
@@ -118,6 +121,10 @@ class BoundaryMasker:
 
     def _ref_hook(self, boundary: int, last: bool):
         def hook(module, inputs, output):
+            # the reference model may be shared by DP replicas' maskers, each stepping in its own
+            # thread: only the call this masker made is its own
+            if self._ref_thread != threading.get_ident():
+                return None
             h = output[0] if isinstance(output, tuple) else output
             self._refs[boundary] = h.detach()
             if last:
@@ -133,11 +140,14 @@ class BoundaryMasker:
             if self._ids is None:
                 raise ValueError("reference = 'base': the model was not called with input_ids, so the base "
                                  "model's activation cannot be computed")
-            with torch.no_grad():
-                try:
+            self._ref_thread = threading.get_ident()
+            try:
+                with torch.no_grad():
                     self.reference_model(input_ids=self._ids)
-                except _Stop:
-                    pass
+            except _Stop:
+                pass
+            finally:
+                self._ref_thread = None
         return self._refs[boundary]
 
     def set_message(self, step: int, micro_batch: int) -> None:

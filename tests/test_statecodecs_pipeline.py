@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from launch_helpers import read_summary, read_weights, torchrun
+from launch_helpers import read_metrics, read_summary, read_weights, torchrun
 from test_pipeline_equivalence import SEQ, STEPS, _compare, _config, reference
 
 pytestmark = pytest.mark.multiproc
@@ -73,3 +73,29 @@ def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
     wa, wb_ = read_weights(os.path.join(full, "hf")), read_weights(os.path.join(part, "hf"))
     import torch
     assert all(torch.equal(wa[k], wb_[k]) for k in wa)
+
+
+def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path):
+    """reference = base across two processes: stage 0 codes the drift from the base model's activation
+    of its input ids, stage 1 adds back its own computation of it from the labels (the same ids),
+    loaded from the model folder; equal to the single-process engine, and the bytes each way are
+    the layout's (activations 8 x 4 bits, gradients 16 x 4 bits) plus both bases of state."""
+    codec = {"groups": [[8, 4]], "grad_groups": [[16, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
+             "reference": "base"}
+    path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec)
+    out = str(tmp_path / "run")
+    torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
+                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
+    ref_losses, ref_state = reference(cfg, 2, 1)
+    _compare(out, ref_losses, ref_state, atol=1e-4, mean_atol=5e-7)
+    # step 0 is exact (zero drift): the first loss is dense training's
+    uncoded = {k: v for k, v in cfg["twocircuit"].items() if k != "codec"}
+    dense_losses, _ = reference({**cfg, "twocircuit": {**uncoded, "mode": "dense"}}, 2, 1)
+    s = read_summary(out)
+    assert abs(read_metrics(out)[0]["loss"] - dense_losses[0]) < 1e-5
+    H = 64
+    tokens = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
+    wb = s["wire_bytes"]
+    assert wb["pp_activations"] == tokens * (8 * 4 // 8 + 2)
+    assert wb["pp_gradients"] == tokens * (16 * 4 // 8 + 2)
+    assert wb["pp_codec_state"] == 2 * 2 * (H + H * 8 + H * 16)

@@ -58,11 +58,9 @@ class MaskedPipelineEngine(PipelineEngine):
         # stateful codec's state (mean, basis) belongs to one link
         self.codec_out = make_codec(tc)   # activations out, gradients in
         self.codec_in = make_codec(tc)    # activations in, gradients out
+        self._ref_prefix = None
         if self.codec_out.needs_reference:
-            from ..configkit import ConfigError
-            raise ConfigError("twocircuit.codec.reference = \"base\" runs on the single-process reference "
-                              "engine only so far (launch/train.py --engine reference): the pipeline engine "
-                              "does not compute the base model's boundary activation on each stage yet")
+            self._setup_reference()
         self.dp_backend = dp_backend
         self.dp_rank = self.grid.get_data_parallel_id()
         self._key_step = 0
@@ -71,6 +69,37 @@ class MaskedPipelineEngine(PipelineEngine):
         self.timing = {"codec_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "dp_s": 0.0}
         self.step_stats: dict = {}
         self._paced_senders: dict[int, pacing.DeferredSender] = {}   # software throttle, per peer stage
+
+    # ------------------------------------------------------------------ the base model's boundary
+    def _setup_reference(self):
+        """``twocircuit.codec.reference = "base"``: both ends of the link compute the base model's
+        activation at the boundary for the micro-batch's tokens, from the pretrained weights in the
+        model folder (frozen; loaded once, no link traffic). Two stages: both read the token ids
+        (the first stage its inputs, the last its labels, which are the same ids); a middle stage has
+        no data stream of its own yet."""
+        import torch.nn as nn
+        from ..configkit import ConfigError
+        from ..models.layers import DecoderPipe, EmbedPipe, WeightReader, load_layer_weights
+        if self.num_stages != 2:
+            raise ConfigError(f"twocircuit.codec.reference = \"base\" on the pipeline engine needs 2 stages "
+                              f"(both ends read the token ids), got {self.num_stages}; use --pp 2 or the "
+                              "single-process reference engine")
+        spec = self.module._tc_spec
+        stop = self.module.parts[1]           # pipeline layers [0, stop): the embedding and stop - 1 decoders
+        layers = [EmbedPipe(spec)] + [DecoderPipe(spec, i) for i in range(stop - 1)]
+        reader = WeightReader(spec.folder)
+        for m in layers:
+            load_layer_weights(m, spec, reader)
+        ref = next(self.module.parameters())
+        self._ref_prefix = nn.Sequential(*layers).to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)
+        self._ref_pending = set()             # last stage: buffers whose input still lacks the base activation
+
+    def _reference(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._ref_prefix(ids.to(next(self._ref_prefix.parameters()).device))
+
+    def _uses_reference(self, codec) -> bool:
+        return self._ref_prefix is not None and codec.needs_reference
 
     # ------------------------------------------------------------------ message identity
     def _message(self, kind: str, boundary: int, shape) -> Message:
@@ -165,7 +194,10 @@ class MaskedPipelineEngine(PipelineEngine):
         msg = self._message("act_send", self.stage_id, outputs.shape)
         n_state = self.codec_out.state_tensor_count(msg) if self.codec_out.stateful else 0
         t0 = time.perf_counter()
-        payload = self.codec_out.pack_activation(outputs, msg)
+        kw = {}
+        if self._uses_reference(self.codec_out):   # the first stage's inputs are the token ids
+            kw["ref"] = self._reference(self.pipe_buffers["inputs"][buffer_id]).to(outputs.dtype)
+        payload = self.codec_out.pack_activation(outputs, msg, **kw)
         self.timing["codec_s"] += time.perf_counter() - t0
         if n_state:  # mean / basis of a stateful codec, counted apart
             self._send(payload[:n_state], self.next_stage, "pp_codec_state")
@@ -180,7 +212,14 @@ class MaskedPipelineEngine(PipelineEngine):
         for b in bufs:
             p2p.recv(b, self.prev_stage)
         t0 = time.perf_counter()
-        x = self.codec_in.unpack_activation(bufs, msg, ref.dtype)
+        if self._uses_reference(self.codec_in):
+            # the token ids arrive with this micro-batch's labels, loaded after this instruction:
+            # the base activation is added in the forward pass (the codec adds it last, so adding
+            # zero here and it there is the same sum)
+            x = self.codec_in.unpack_activation(bufs, msg, ref.dtype, ref=torch.zeros(ref.shape, device=ref.device))
+            self._ref_pending.add(buffer_id)
+        else:
+            x = self.codec_in.unpack_activation(bufs, msg, ref.dtype)
         self.timing["codec_s"] += time.perf_counter() - t0
         x = x.detach().contiguous()
         x.requires_grad = x.is_floating_point()
@@ -211,6 +250,12 @@ class MaskedPipelineEngine(PipelineEngine):
     # ------------------------------------------------------------------ compute timing
     def _exec_forward_pass(self, buffer_id):
         t0 = time.perf_counter()
+        if self._ref_prefix is not None and buffer_id in self._ref_pending:
+            self._ref_pending.discard(buffer_id)
+            drift = self.pipe_buffers["inputs"][buffer_id]
+            x = (drift.detach() + self._reference(self.pipe_buffers["labels"][buffer_id]).to(drift.dtype)).contiguous()
+            x.requires_grad = x.is_floating_point()
+            self.pipe_buffers["inputs"][buffer_id] = x
         super()._exec_forward_pass(buffer_id)
         self.timing["forward_s"] += time.perf_counter() - t0
 
