@@ -391,3 +391,22 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
 def test_lowrank_reference_and_grad_groups_errors_name_the_key(section, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         TwoCircuitConfig.from_dict({"mode": "lowrank", "codec": section})
+
+
+def test_lowrank_reference_merges_both_moments_for_another_dp_width():
+    """Resuming on another DP width pools each replica's drift moments and activation moments alike."""
+    ends = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        send, recv = _ref_pair()
+        ref = torch.randn(50, 64)
+        x = ref + 0.1 * torch.randn(50, 64)
+        msg = _msg((50, 64), refresh=True)
+        recv.unpack_activation(send.pack_activation(x, msg, ref=ref), msg, torch.float32, ref=ref)
+        ends.append(send.state_dict())
+    merged = LowRankCodec.merge_states(copy.deepcopy(ends))
+    for k in ("moments", "moments_x"):
+        assert merged[k]["n"] == 50
+        assert torch.allclose(merged[k]["s1"], (ends[0][k]["s1"] + ends[1][k]["s1"]) / 2)
+        assert torch.allclose(merged[k]["s2"], (ends[0][k]["s2"] + ends[1][k]["s2"]) / 2)
+    assert not torch.allclose(merged["moments"]["s2"], merged["moments_x"]["s2"])
