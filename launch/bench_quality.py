@@ -243,6 +243,8 @@ def summarise(rows: list[dict], baseline: str) -> list[dict]:
             "pp_bytes_per_token": rs[0]["pp_bytes_per_token"], "pp_bytes_ratio": rs[0]["pp_bytes_ratio"],
             "pp_bytes_ratio_bf16": rs[0]["pp_bytes_ratio_bf16"],
             "pp_bytes_ratio_bf16_busier": rs[0].get("pp_bytes_ratio_bf16_busier"),
+            "pp_bytes_per_token_fwd": rs[0].get("pp_bytes_per_token_fwd"),
+            "pp_bytes_per_token_bwd": rs[0].get("pp_bytes_per_token_bwd"),
             "dp_bytes": rs[0]["dp_bytes"], "anchor_bytes": rs[0]["anchor_bytes"],
             "dp": rs[0].get("dp", 1), "dp_ratio": rs[0].get("dp_ratio"), "dp_ratio_total": rs[0].get("dp_ratio_total"),
             "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in rs), 1),
@@ -315,16 +317,16 @@ def report(args) -> dict:
         return "-" if x is None else f"{x:.3f}"
     with_dp = any(s["dp"] > 1 for s in summary)
     lines = ["", "| config | domain | seeds | tokens | held-out loss (mean) | spread | SE | paired diff vs "
-             f"`{args.baseline}` (per seed) | vs `{args.baseline}` | through the codec | bytes/token/direction "
-             "| x fewer than fp32 | x fewer than bf16 |" + (" DP x fewer (loop / total) |" if with_dp else ""),
+             f"`{args.baseline}` (per seed) | vs `{args.baseline}` | through the codec | boundary bytes/token "
+             "(forward / backward) | x fewer than fp32 | x fewer than bf16 (busier direction) |" + (" DP x fewer (loop / total) |" if with_dp else ""),
              "|" + "---|" * (13 + with_dp)]
     for s in summary:
         per_seed = ", ".join(f"{d:+.3f}" for _, d in sorted(s["paired_diff"].items())) if s["paired_diff"] else "-"
         vs = "-" if s["vs_baseline"] is None else f"{(s['vs_baseline'] - 1) * 100:+.2f}%"
         lines.append(f"| `{s['label']}` | {s['domain']} | {','.join(map(str, s['seeds']))} | {s['tokens']:,} "
                      f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'] or None)} "
-                     f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {s['pp_bytes_per_token']:,.1f} "
-                     f"| {s['pp_bytes_ratio'] or 0:.1f} | {s['pp_bytes_ratio_bf16'] or 0:.1f} |"
+                     f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {_bytes_cell(s)} "
+                     f"| {2 * _ratio_bf16(s):.1f} | {_ratio_bf16(s):.1f} |"
                      + (f" {_dp_cell(s)} |" if with_dp else ""))
     bases = sorted({(s["domain"], round(s["heldout_loss_base"], 3)) for s in summary if s["heldout_loss_base"]})
     lines += ["", "Base model (before training, dense inference): "
@@ -335,6 +337,12 @@ def report(args) -> dict:
     _plot(rows, base + ".png")
     print("\n".join(lines))
     return out
+
+
+def _bytes_cell(s: dict) -> str:
+    """Boundary bytes per token, each direction where the row has them (else both directions' mean)."""
+    fwd, bwd = s.get("pp_bytes_per_token_fwd"), s.get("pp_bytes_per_token_bwd")
+    return f"{fwd:,.1f} / {bwd:,.1f}" if fwd is not None and bwd is not None else f"{s['pp_bytes_per_token']:,.1f}"
 
 
 def _dp_cell(s: dict) -> str:

@@ -85,9 +85,15 @@ def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     e = [dict(row("e", seed, loss, 25.0), pp_bytes_ratio_bf16_busier=15.0) for seed, loss in ((0, 1.99), (1, 2.19))]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows + e))
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/a.json"
-    e = [dict(r, pp_bytes_ratio_bf16_busier=21.0) for r in e]
+    e = [dict(r, pp_bytes_ratio_bf16_busier=21.0, pp_bytes_per_token_fwd=40.3, pp_bytes_per_token_bwd=54.9) for r in e]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows + e))
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/e.json"
+    # the table shows each direction's bytes and the busier direction's ratio, not the mean's 25x
+    table = (tmp_path / "r.md")
+    bq.report(bq.parse(["--report", "--results", str(results), "--min-seeds", "2"]))
+    e_line = next(l for l in table.read_text().splitlines() if l.startswith("| `e` |"))
+    assert "| 40.3 / 54.9 | 42.0 | 21.0 |" in e_line
+    assert "| 1.0 | 40.4 | 20.2 |" in next(l for l in table.read_text().splitlines() if l.startswith("| `a` |"))
 
 
 @pytest.mark.parametrize("keep", [False, True])
