@@ -334,7 +334,7 @@ def report(args) -> dict:
               "SE: the largest standard error of one held-out loss among the seeds; spread: the seed-to-seed "
               "range. A difference is a finding only where the paired differences agree in sign and exceed both.", ""]
     write_section(base + ".md", TABLE_BEGIN, TABLE_END, lines, args.title)
-    _plot(rows, base + ".png")
+    _plot(rows, base + ".png", args.baseline)
     print("\n".join(lines))
     return out
 
@@ -353,14 +353,38 @@ def _dp_cell(s: dict) -> str:
     return f"{s['dp_ratio'] or 0:.1f} / {s['dp_ratio_total'] or 0:.1f}" if s["dp_ratio"] else "-"
 
 
-def _plot(rows, path):
+def gap_curves(rows: list, baseline: str) -> dict:
+    """{(label, domain, seed, "loss" | "loss_coded"): [(step, loss - baseline's loss)]}: each config's
+    held-out curve minus the baseline's at the same domain, seed and step (dense inference of the
+    baseline in both cases; step 0, where every config is the base model, left out)."""
+    base = {(r["domain"], r["seed"], c["step"]): c["loss"] for r in rows if r["label"] == baseline
+            for c in r["curve"]}
+    out = {}
+    for r in rows:
+        if r["label"] == baseline:
+            continue
+        for key in ("loss", "loss_coded"):
+            pts = [(c["step"], c[key] - base[(r["domain"], r["seed"], c["step"])]) for c in r["curve"]
+                   if c["step"] > 0 and c.get(key) is not None and (r["domain"], r["seed"], c["step"]) in base]
+            if pts:
+                out[(r["label"], r["domain"], r["seed"], key)] = pts
+    return out
+
+
+def _plot(rows, path, baseline=None):
+    """Top: held-out loss (dense inference) against step, one line per config and seed. Bottom, where
+    the baseline config has rows: each config's gap to the baseline on the same seed and step, dense
+    inference (solid) and through the codec (dotted): the picture a horizon question needs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = sorted({r["label"] for r in rows})
     domains = sorted({r["domain"] for r in rows})
-    fig, axes = plt.subplots(1, len(domains), figsize=(6 * len(domains), 4), squeeze=False)
-    for ax, domain in zip(axes[0], domains):
+    gaps = gap_curves(rows, baseline) if baseline else {}
+    nrows = 2 if gaps else 1
+    fig, axes = plt.subplots(nrows, len(domains), figsize=(6 * len(domains), 4 * nrows), squeeze=False)
+    for j, domain in enumerate(domains):
+        ax = axes[0][j]
         for r in sorted((r for r in rows if r["domain"] == domain), key=lambda r: (r["label"], r["seed"])):
             i = labels.index(r["label"])
             pts = [(c["step"], c["loss"]) for c in r["curve"]]
@@ -369,6 +393,21 @@ def _plot(rows, path):
         ax.set_title(f"held-out loss, dense inference ({domain})")
         ax.set_xlabel("step")
         ax.legend(fontsize=6)
+        if not gaps:
+            continue
+        ax = axes[1][j]
+        for (label, dom, seed, key), pts in sorted(gaps.items()):
+            if dom != domain:
+                continue
+            coded = key == "loss_coded"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x" if coded else "o", ms=3,
+                    color=f"C{labels.index(label) % 10}", ls=":" if coded else "-",
+                    label=f"{label} (seed {seed}, {'through the codec' if coded else 'dense inference'})")
+        ax.axhline(0.0, color="k", lw=0.6)
+        ax.set_title(f"gap to `{baseline}` on the same seed and windows ({domain})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss difference")
+        ax.legend(fontsize=5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

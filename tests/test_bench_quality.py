@@ -166,3 +166,23 @@ def test_the_gpu_layout_is_the_same_tokens_in_fewer_micro_batches(tmp_path):
     assert "--micro-batch-size 8 --grad-accum 1" in b["command"] and "--device" not in b["command"]
     assert len(os.listdir(tmp_path / "runs")) == 2
     assert abs(a["heldout_loss"] - b["heldout_loss"]) < 1e-4 and a["heldout_loss"] != a["heldout_loss_base"]
+
+
+def test_gap_curves_pair_each_point_with_the_baseline_on_its_seed_and_step():
+    def row(label, seed, curve, domain="sympy"):
+        return {"label": label, "seed": seed, "domain": domain, "curve": curve}
+    rows = [row("dense", 0, [{"step": 0, "loss": 3.0}, {"step": 5, "loss": 2.5}, {"step": 10, "loss": 2.0}]),
+            row("dense", 1, [{"step": 0, "loss": 3.0}, {"step": 5, "loss": 2.4}, {"step": 10, "loss": 2.1}]),
+            row("c", 0, [{"step": 0, "loss": 3.0, "loss_coded": 3.0}, {"step": 5, "loss": 2.6, "loss_coded": 2.7},
+                         {"step": 10, "loss": 2.25, "loss_coded": 2.125}]),
+            row("c", 1, [{"step": 5, "loss": 2.5, "loss_coded": None}, {"step": 7, "loss": 2.2}]),  # 7: no pair
+            row("c", 2, [{"step": 5, "loss": 2.5}]),                                             # no seed 2 baseline
+            row("c", 0, [{"step": 5, "loss": 2.6}], domain="wiki")]                              # nor this domain
+    gaps = bq.gap_curves(rows, "dense")
+    assert set(gaps) == {("c", "sympy", 0, "loss"), ("c", "sympy", 0, "loss_coded"), ("c", "sympy", 1, "loss")}
+    def flat(pts):
+        return [x for p in pts for x in p]
+    assert flat(gaps[("c", "sympy", 0, "loss")]) == pytest.approx([5, 0.1, 10, 0.25])
+    # through the codec, against the baseline's dense inference (the same windows)
+    assert flat(gaps[("c", "sympy", 0, "loss_coded")]) == pytest.approx([5, 0.2, 10, 0.125])
+    assert flat(gaps[("c", "sympy", 1, "loss")]) == pytest.approx([5, 0.1])
