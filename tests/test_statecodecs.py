@@ -368,6 +368,47 @@ def test_lowrank_zero_drift_is_sent_exactly():
     assert torch.equal(y, x)
 
 
+def test_lowrank_reference_forward_grad_basis_is_the_exact_gradient_on_the_drift_basis():
+    """grad_basis = forward: the gradient goes back on the forward's own leading directions (no second
+    basis in the state); while the drift is zero (step 0 of a fine-tune) that basis is fitted on the
+    activations, then on the drift once it has energy."""
+    torch.manual_seed(12)
+    H, T = 64, 300
+    cfg = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": [0, 1], "reference": "base",
+           "grad_basis": "forward"}
+    send, recv = build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+    assert send.payload_bytes(H, 4) == (4 + 2, 3 + 2) and send.describe()["grad_basis"] == "forward"
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    ref = (torch.randn(T, H) * torch.logspace(0.5, -1, H)) @ q.T + 2.0
+    # step 0: x == ref; the basis is the activations' top 8 (not the zero drift's arbitrary axes)
+    m0 = _msg((T, H), refresh=True)
+    assert send.state_tensor_count(m0) == recv.state_tensor_count(m0) == 2          # mean, basis
+    bufs = send.pack_activation(ref.clone(), m0, ref=ref)
+    assert [tuple(b.shape) for b in bufs] == [(H,), (H, 8), (T, 4), (T, 1)]
+    assert send.state_bytes_sent == 2 * (H + H * 8)
+    top = principal_basis(send.moments_x.covariance(), 8).to(torch.bfloat16).float()
+    assert torch.equal(send.basis, top) and send.grad_basis is None
+    y = recv.unpack_activation([b.clone() for b in bufs], m0, torch.float32, ref=ref)
+    assert torch.equal(y, ref)
+    # the gradient: exactly U6 (the forward basis' leading 6 columns) both ways, at grad_groups' bytes
+    xx = ref.clone().requires_grad_()
+    w = torch.randn(T, H)
+    (_CodecLink.apply(xx, (send, recv), _msg((T, H), key=5), True, ref) * w).sum().backward()
+    u6 = send.basis[:, :6]
+    p, s = quantize_groups(w @ u6, [(6, 4)])
+    assert torch.equal(xx.grad, dequantize_groups(p, s, [(6, 4)]) @ u6.T)
+    assert torch.equal(recv.basis, send.basis)
+    # step 1: a drift in 4 directions orthogonal to the activations' top 8; the refit follows it
+    d4 = torch.linalg.qr(torch.randn(H, 4))[0]
+    d4 = torch.linalg.qr(d4 - top @ (top.T @ d4))[0]
+    x1 = ref + 0.1 * torch.randn(T, 4) @ d4.T
+    m1 = _msg((T, H), key=6, refresh=True)
+    y1 = recv.unpack_activation(send.pack_activation(x1, m1, ref=ref), m1, torch.float32, ref=ref)
+    lead = send.basis[:, :4]
+    assert float((d4 - lead @ (lead.T @ d4)).norm()) < 0.05
+    assert float((y1 - x1).norm() / (x1 - ref).norm()) < 0.15
+
+
 def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     send, recv = _pair(groups=((24, 8),))
     cfg = {"groups": [[24, 8]], "grad_groups": [[8, 4]], "refresh_steps": [0]}
@@ -387,6 +428,9 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "grad_groups": [[16, 4]]}, "twocircuit.codec.grad_groups: 16 gradient coefficients"),
     ({"groups": [[8, 4]], "reference": "prev"}, "twocircuit.codec.reference"),
     ({"groups": [[8, 4]], "grad_groups": [[3, 4]], "reference": "base"}, "twocircuit.codec.grad_groups"),
+    ({"groups": [[8, 4]], "grad_groups": [[16, 4]], "reference": "base", "grad_basis": "forward"},
+     "twocircuit.codec.grad_groups: 16 gradient coefficients, but with grad_basis"),
+    ({"groups": [[8, 4]], "reference": "base", "grad_basis": "drift"}, "twocircuit.codec.grad_basis"),
 ])
 def test_lowrank_reference_and_grad_groups_errors_name_the_key(section, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

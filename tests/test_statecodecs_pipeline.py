@@ -75,13 +75,15 @@ def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
     assert all(torch.equal(wa[k], wb_[k]) for k in wa)
 
 
-def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path):
+@pytest.mark.parametrize("grad_basis, grad_rank", [("activations", 16), ("forward", 6)])
+def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank):
     """reference = base across two processes: stage 0 codes the drift from the base model's activation
     of its input ids, stage 1 adds back its own computation of it from the labels (the same ids),
     loaded from the model folder; equal to the single-process engine, and the bytes each way are
-    the layout's (activations 8 x 4 bits, gradients 16 x 4 bits) plus both bases of state."""
-    codec = {"groups": [[8, 4]], "grad_groups": [[16, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
-             "reference": "base"}
+    the layout's (activations 8 x 4 bits, gradients 16 x 4 bits on a basis of their own, or 6 x 4
+    bits on the forward's) plus the state (the gradient's basis only where it has its own)."""
+    codec = {"groups": [[8, 4]], "grad_groups": [[grad_rank, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
+             "reference": "base", "grad_basis": grad_basis}
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec)
     out = str(tmp_path / "run")
     torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
@@ -97,5 +99,6 @@ def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_
     tokens = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
     wb = s["wire_bytes"]
     assert wb["pp_activations"] == tokens * (8 * 4 // 8 + 2)
-    assert wb["pp_gradients"] == tokens * (16 * 4 // 8 + 2)
-    assert wb["pp_codec_state"] == 2 * 2 * (H + H * 8 + H * 16)
+    assert wb["pp_gradients"] == tokens * (grad_rank * 4 // 8 + 2)
+    own = grad_rank if grad_basis == "activations" else 0
+    assert wb["pp_codec_state"] == 2 * 2 * (H + H * 8 + H * own)

@@ -15,9 +15,14 @@ frozen pretrained weights are on every node already; the engine hands it to the 
 and only the drift ``x - ref`` is coded on its own principal directions. Fine-tuning moves the
 boundary slowly (a probe on SmolLM2 measured the drift at 2% of the activation's energy after about
 120 steps), so far fewer coefficients carry it. The gradient cannot use the drift's basis (at step 0
-the drift is zero); it goes back on the principal directions of the activations themselves, a second
-basis shipped with the state (``grad_groups`` coefficients). The price is compute, not bytes: each
-end runs the base model's stages before the boundary once more, forward only.
+the drift is zero); by default it goes back on the principal directions of the activations
+themselves, a second basis shipped with the state (``grad_groups`` coefficients). With
+``grad_basis: "forward"`` it goes back on the forward's own drift basis instead (its leading
+``grad_groups`` directions): the exact gradient of the coded forward ``ref + U U^T (x - ref)``, as
+without a reference, and no second basis in the state. Until the drift has energy (the first fit
+of a fine-tune, where ``x == ref``) that basis is fitted on the activations themselves, so the first
+steps train through their leading directions rather than arbitrary ones. The price is compute, not
+bytes: each end runs the base model's stages before the boundary once more, forward only.
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ from .stateful import RefreshConfig, RunningMoments, StatefulCodec
 STATE_DTYPE = torch.bfloat16
 COEF_NORMS = ("none", "sqrt_std")
 REFERENCES = ("none", "base")
+GRAD_BASES = ("activations", "forward")
+# the drift counts as zero (fit the forward basis on the activations) below this share of their energy
+DRIFT_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,8 @@ class LowRankConfig(RefreshConfig):
     grad_groups: list | None = None  # [count, bits] of the gradient's coefficients (None: ``groups``);
                                     # without a reference at most ``groups``' rank (its leading directions)
     reference: str = "none"         # none | base (code the drift from the base model's activation)
+    grad_basis: str = "activations"  # with reference base: activations (a basis of the activations'
+                                    # own, shipped) | forward (the drift basis: the exact gradient)
 
     def validate(self, p):
         try:
@@ -56,6 +66,11 @@ class LowRankConfig(RefreshConfig):
         super().validate(p)
         check_choice(self.coef_norm, COEF_NORMS, f"{p}.coef_norm")
         check_choice(self.reference, REFERENCES, f"{p}.reference")
+        check_choice(self.grad_basis, GRAD_BASES, f"{p}.grad_basis")
+        if self.reference == "base" and self.grad_basis == "forward" and self.grad_rank > self.rank:
+            raise ConfigError(f"{p}.grad_groups: {self.grad_rank} gradient coefficients, but with grad_basis "
+                              f"\"forward\" the gradient uses the forward's basis of {self.rank} directions; "
+                              f"use at most {self.rank}")
         if self.reference == "none" and self.grad_rank > self.rank:
             raise ConfigError(f"{p}.grad_groups: {self.grad_rank} gradient coefficients, but the gradient "
                               f"shares the activations' basis of {self.rank} directions; use at most "
@@ -107,10 +122,14 @@ class LowRankCodec(StatefulCodec):
         if cfg.reference not in REFERENCES:
             raise ValueError(f"lowrank codec: reference = {cfg.reference!r}; allowed: {', '.join(REFERENCES)}")
         self.reference = cfg.reference
-        if self.reference == "none" and self.grad_rank > self.rank:
+        if cfg.grad_basis not in GRAD_BASES:
+            raise ValueError(f"lowrank codec: grad_basis = {cfg.grad_basis!r}; allowed: {', '.join(GRAD_BASES)}")
+        # a gradient basis of its own: with a reference, unless the gradient takes the forward's
+        self.own_grad_basis = self.needs_reference and cfg.grad_basis == "activations"
+        if not self.own_grad_basis and self.grad_rank > self.rank:
             raise ValueError(f"lowrank codec: grad_groups rank {self.grad_rank} exceeds the basis' {self.rank}")
         self._STATE_FIELDS = (("mean", "basis") + (("coef_scale",) if self.coef_norm != "none" else ())
-                              + (("grad_basis",) if self.needs_reference else ()))
+                              + (("grad_basis",) if self.own_grad_basis else ()))
         self.mean = None
         self.basis = None
         self.coef_scale = None
@@ -144,6 +163,8 @@ class LowRankCodec(StatefulCodec):
         if self.grad_groups != self.groups or self.needs_reference:
             d.update(grad_rank=self.grad_rank, grad_bytes_per_token=group_bytes(self.grad_groups),
                      reference=self.reference)
+        if self.needs_reference:
+            d.update(grad_basis="activations" if self.own_grad_basis else "forward")
         return d
 
     @staticmethod
@@ -156,18 +177,19 @@ class LowRankCodec(StatefulCodec):
                  torch.empty(hidden, self.rank, dtype=STATE_DTYPE, device=device)]
                 + ([torch.empty(self.rank, dtype=STATE_DTYPE, device=device)] if self.coef_norm != "none" else [])
                 + ([torch.empty(hidden, self.grad_rank, dtype=STATE_DTYPE, device=device)]
-                   if self.needs_reference else []))
+                   if self.own_grad_basis else []))
 
     def _set_state(self, mean_w, basis_w, *rest):
         self.mean, self.basis = mean_w.float(), basis_w.float()
         rest = list(rest)
         self.coef_scale = rest.pop(0).float() if self.coef_norm != "none" else None
-        self.grad_basis = rest.pop(0).float() if self.needs_reference else None
+        self.grad_basis = rest.pop(0).float() if self.own_grad_basis else None
         self.has_state = True
 
     def _gbasis(self):
-        """The gradient's basis: its own (with a reference), else the activations' leading columns."""
-        return self.grad_basis if self.needs_reference else self.basis[:, :self.grad_rank]
+        """The gradient's basis: its own (reference, grad_basis activations), else the forward's leading
+        columns."""
+        return self.grad_basis if self.own_grad_basis else self.basis[:, :self.grad_rank]
 
     def state_dict(self) -> dict:
         d = super().state_dict()
@@ -220,22 +242,33 @@ class LowRankCodec(StatefulCodec):
                 mom = RunningMoments(True)
                 mom.add(flat)
             cov = mom.covariance()
+            if self.needs_reference and not self.own_grad_basis:
+                # the gradient rides on this basis: while the drift is (numerically) zero, fit it on the
+                # activations, whose leading directions the first steps then train through
+                cov_x = self._moments_x(x, msg).covariance()
+                if float(cov.diagonal().sum()) <= DRIFT_FLOOR * float(cov_x.diagonal().sum()):
+                    cov = cov_x
             u = principal_basis(cov, self.rank)
             state = [mom.mean().to(STATE_DTYPE).contiguous(), u.to(STATE_DTYPE).contiguous()]
             if self.coef_norm == "sqrt_std":  # lambda_i ** 0.25, floored against a zero variance
                 var = ((cov @ u) * u).sum(0).clamp_min(0.0)
                 state.append(var.clamp_min(var.max() * 1e-12 + 1e-30).pow(0.25).to(STATE_DTYPE).contiguous())
-            if self.needs_reference:   # the gradient's basis: the activations' own principal directions
-                mx = self.moments_x
-                if not mx.n:
-                    mx = RunningMoments(True)
-                    mx.add(x.detach().reshape(msg.tokens, msg.hidden))
-                state.append(principal_basis(mx.covariance(), self.grad_rank).to(STATE_DTYPE).contiguous())
+            if self.own_grad_basis:   # the gradient's basis: the activations' own principal directions
+                state.append(principal_basis(self._moments_x(x, msg).covariance(), self.grad_rank)
+                             .to(STATE_DTYPE).contiguous())
             self._set_state(*state)
             self.state_bytes_sent += sum(t.numel() * t.element_size() for t in state)
             out += state
         c = (flat.float() - self.mean.to(flat.device)) @ self.basis.to(flat.device)
         return out + quantize_groups(self._coef_div(c), self.groups)
+
+    def _moments_x(self, x, msg):
+        """The activations' moments (this batch's where no training statistics exist yet)."""
+        if self.moments_x.n:
+            return self.moments_x
+        mx = RunningMoments(True)
+        mx.add(x.detach().reshape(msg.tokens, msg.hidden))
+        return mx
 
     def activation_buffers(self, msg, dtype, device):
         st = self._state_buffers(msg.hidden, device) if self.carries_state(msg) else []
