@@ -67,14 +67,13 @@ class LowRankConfig(RefreshConfig):
         check_choice(self.coef_norm, COEF_NORMS, f"{p}.coef_norm")
         check_choice(self.reference, REFERENCES, f"{p}.reference")
         check_choice(self.grad_basis, GRAD_BASES, f"{p}.grad_basis")
-        if self.reference == "base" and self.grad_basis == "forward" and self.grad_rank > self.rank:
-            raise ConfigError(f"{p}.grad_groups: {self.grad_rank} gradient coefficients, but with grad_basis "
-                              f"\"forward\" the gradient uses the forward's basis of {self.rank} directions; "
-                              f"use at most {self.rank}")
-        if self.reference == "none" and self.grad_rank > self.rank:
-            raise ConfigError(f"{p}.grad_groups: {self.grad_rank} gradient coefficients, but the gradient "
-                              f"shares the activations' basis of {self.rank} directions; use at most "
-                              f"{self.rank}, or \"reference\": \"base\" (a basis of its own)")
+        if (self.reference == "none" or self.grad_basis == "forward") and self.grad_rank > self.rank:
+            why, other = (("the gradient shares the activations' basis", "\"reference\": \"base\"")
+                          if self.reference == "none" else
+                          ("with grad_basis \"forward\" the gradient uses the forward's basis",
+                           "grad_basis \"activations\""))
+            raise ConfigError(f"{p}.grad_groups: {self.grad_rank} gradient coefficients, but {why} of "
+                              f"{self.rank} directions; use at most {self.rank}, or {other} (a basis of its own)")
 
     @property
     def rank(self) -> int:
@@ -135,9 +134,9 @@ class LowRankCodec(StatefulCodec):
         self.coef_scale = None
         self.grad_basis = None
         self._init_state(second=True)
-        # with a reference: ``moments`` measure the drift x - ref (the activation basis), ``moments_x``
-        # the activations themselves (the gradient's basis)
-        self.moments_x = RunningMoments(True) if self.needs_reference else None
+        # with a reference: ``moments`` measure the drift x - ref (the activation basis); with a gradient
+        # basis of its own, ``moments_x`` the activations themselves (that basis)
+        self.moments_x = RunningMoments(True) if self.own_grad_basis else None
 
     @property
     def needs_reference(self) -> bool:
@@ -193,13 +192,13 @@ class LowRankCodec(StatefulCodec):
 
     def state_dict(self) -> dict:
         d = super().state_dict()
-        if self.needs_reference:
+        if self.own_grad_basis:
             d["moments_x"] = self.moments_x.state_dict()
         return d
 
     def load_state_dict(self, d: dict) -> None:
         super().load_state_dict(d)
-        if self.needs_reference:
+        if self.own_grad_basis:
             self.moments_x.load_state_dict(d["moments_x"])
 
     @classmethod
@@ -230,7 +229,7 @@ class LowRankCodec(StatefulCodec):
         self._check_ref(ref, msg)
         flat = x.detach().reshape(msg.tokens, msg.hidden)
         if self.needs_reference:
-            if msg.train:
+            if msg.train and self.own_grad_basis:
                 self.moments_x.add(flat)
             flat = flat.float() - ref.detach().reshape(msg.tokens, msg.hidden).float()
         if msg.train:
@@ -243,8 +242,8 @@ class LowRankCodec(StatefulCodec):
                 mom.add(flat)
             cov = mom.covariance()
             if self.needs_reference and not self.own_grad_basis:
-                # the gradient rides on this basis: while the drift is (numerically) zero, fit it on the
-                # activations, whose leading directions the first steps then train through
+                # the gradient rides on this basis: while the drift is (numerically) zero, fit it on this
+                # batch's activations, whose leading directions the first steps then train through
                 cov_x = self._moments_x(x, msg).covariance()
                 if float(cov.diagonal().sum()) <= DRIFT_FLOOR * float(cov_x.diagonal().sum()):
                     cov = cov_x
@@ -263,8 +262,9 @@ class LowRankCodec(StatefulCodec):
         return out + quantize_groups(self._coef_div(c), self.groups)
 
     def _moments_x(self, x, msg):
-        """The activations' moments (this batch's where no training statistics exist yet)."""
-        if self.moments_x.n:
+        """The activations' moments: the running ones where they are kept and have data, else this
+        batch's (a drift basis' fallback keeps none: it is fitted at the first refresh only)."""
+        if self.moments_x is not None and self.moments_x.n:
             return self.moments_x
         mx = RunningMoments(True)
         mx.add(x.detach().reshape(msg.tokens, msg.hidden))
