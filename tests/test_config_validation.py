@@ -58,7 +58,7 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
     plan = _plan(tmp_path, argv, world=2 * dp + 2 * z)
     assert (plan.pp, plan.dp, plan.z) == (2, dp, z)
     mode, p = {"dense": ("dense", None), "m90": ("random", 0.90), "m95": ("random", 0.95),
-               "topk90": ("topk", 0.90), "lowrank": ("lowrank", None),
+               "topk90": ("topk", 0.90), "lowrank": ("lowrank", None), "lowrank20": ("lowrank", None),
                "meanfill95": ("meanfill", 0.95)}[name.split("_")[0]]
     assert plan.tc.mode == mode
     assert plan.tc.effective_mask_rate == (0.0 if p is None else pytest.approx(p))
@@ -342,3 +342,27 @@ def test_dp200_configs_are_the_screened_files(shipped, screened):
     assert a == apply_overrides(b, list(next(iter(overrides)))) and a != b
     dp = a["twocircuit"]["dp"]
     assert (dp["backend"], dp["compression"], dp["quant"]["bits"]) == ("streaming_diloco", "quant", 4)
+
+
+def test_lowrank20_is_the_screened_drift_layout():
+    """codec20_drift_screen.jsonl's lowrank_base_f88_gradfwd_every10 rows ran ds_configs/lowrank.json
+    with --set overrides: the shipped lowrank20.json must be exactly that config, so that a user who
+    runs the file trains what was measured (and the next seeds can run the file itself)."""
+    root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
+            if line.strip()]
+    screened = [r for r in rows if r["label"] == "lowrank_base_f88_gradfwd_every10"]
+    assert screened
+    shipped = json.load(open(os.path.join(CONFIGS, "lowrank20.json")))
+    for r in screened:
+        if r["config"].endswith("lowrank20.json"):
+            assert r["overrides"] == []
+            continue
+        assert r["config"] == "ds_configs/lowrank.json"
+        assert shipped == apply_overrides(json.load(open(os.path.join(CONFIGS, "lowrank.json"))), r["overrides"])
+    codec = shipped["twocircuit"]["codec"]
+    assert (codec["groups"], codec["grad_groups"], codec["reference"], codec["grad_basis"], codec["refresh_every"]) \
+        == ([[88, 4]], [[88, 4]], "base", "forward", 10)
+    # 88 x 4 bits = 44 bytes of coefficients each way: under 1/20 of a bf16 boundary (1,152 bytes for
+    # SmolLM2's 576 channels) before the counted state and scales
+    assert 88 * 4 / 8 < 576 * 2 / 20
