@@ -215,11 +215,6 @@ def make_plan(args, world_size: int) -> Plan:
         raise ConfigError(f"--engine reference runs in one process, but {world_size} were launched; start it "
                           "with python launch/train.py (--pp and --dp say what it simulates)")
     pp = args.pp or (2 if world_size >= 2 or reference else 1)
-    if not reference and pp > 2 and getattr(tc.codec, "reference", "none") != "none":
-        raise ConfigError(f"{args.config}: twocircuit.codec.reference = {tc.codec.reference!r} on the pipeline "
-                          f"engine needs 2 stages (both ends of the link read the token ids; a middle stage "
-                          f"has no data stream of its own yet), got --pp {pp}; use --pp 2, the single-process "
-                          "reference engine (launch/train.py --engine reference), or \"reference\": \"none\"")
     spare_ranks = 0
     if reference:
         if args.anchor_only or args.anchor_replicas:

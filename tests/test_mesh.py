@@ -38,6 +38,36 @@ def test_kernel_counts_what_the_project_counts(tmp_path):
     assert mesh["namespace_prefix"].startswith("tcm") and not namespaces(mesh["namespace_prefix"])
 
 
+def test_kernel_counts_the_drift_codec(tmp_path):
+    """ds_configs/lowrank20.json (the drift from the base model, the gradient on the forward's basis,
+    refitted) on two namespaces with the defaults on (export included), scaled to tiny's 64 channels:
+    both ends compute the base model's activation themselves, so the kernel sees only the counted
+    coefficients, the refits' state and framing. A dense boundary sent anywhere uncounted would add
+    0.5 MB a step each way, far outside the allowance."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "2", "--mbit", "100", "--",
+           "launch/train.py", "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "lowrank20.json"),
+           "--set", "twocircuit.codec.groups=[[16,4]]", "--set", "twocircuit.codec.grad_groups=[[16,4]]",
+           "--set", "twocircuit.codec.refresh_every=3",
+           "--steps", "8", "--seq-len", "256", "--eval-sequences", "0", "--output-dir", out]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    s = read_summary(out)
+    mesh = json.load(open(os.path.join(out, "mesh.json")))
+    wb = s["wire_bytes"]
+    codec = s["config"]["twocircuit"]["codec"]
+    assert (codec["reference"], codec["grad_basis"], codec["groups"]) == ("base", "forward", [[16, 4]])
+    tokens = 8 * 2 * 4 * 256                      # steps x micro-batch x accumulation x sequence
+    # the same layout each way; under a tenth of a dense fp32 boundary (256 bytes a token)
+    assert wb["pp_activations"] == wb["pp_gradients"] and 0 < wb["pp_activations"] < tokens * 25
+    assert wb["pp_codec_state"] > 0 and wb["export"] == 0
+    ours_fwd = wb["pp_activations"] + wb["pp_handshake"] + wb["pp_codec_state"]
+    ours_bwd = wb["pp_gradients"] + wb["export"]
+    for link, ours in (("0->1", ours_fwd), ("1->0", ours_bwd)):
+        kernel = mesh["kernel_bytes"][link]
+        assert ours <= kernel <= 1.08 * ours + 150_000, (link, kernel, ours)
+
+
 def namespaces(prefix: str) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]

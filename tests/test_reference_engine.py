@@ -259,13 +259,3 @@ def test_reference_base_codes_the_drift_from_the_frozen_base_model(tmp_path):
     dense2, dense2_loss, _ = _run(tmp_path, _config(tmp_path, "dense"), "dense2", steps=1, extra=["--dp", "2"])
     ref2, ref2_loss, _ = _run(tmp_path, _config(tmp_path, codec=codec), "ref2", steps=1, extra=["--dp", "2"])
     assert ref2_loss[0] == dense2_loss[0] and ref2["heldout_loss_masked"] is not None
-
-
-def test_reference_base_on_the_pipeline_engine_needs_two_stages(tmp_path):
-    from ds_twocircuit.config import ConfigError
-    from ds_twocircuit.train import make_plan, parse_args
-    cfg = _config(tmp_path, codec={"groups": [[8, 4]], "reference": "base"})
-    assert make_plan(parse_args(["--model", "tiny", "--deepspeed", cfg]), 2).pp == 2
-    with pytest.raises(ConfigError, match=r"twocircuit\.codec\.reference = 'base' on the pipeline engine needs 2 "
-                                          r"stages .* got --pp 3; use --pp 2"):
-        make_plan(parse_args(["--model", "tiny", "--deepspeed", cfg, "--pp", "3"]), 3)

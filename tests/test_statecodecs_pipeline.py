@@ -75,30 +75,63 @@ def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
     assert all(torch.equal(wa[k], wb_[k]) for k in wa)
 
 
-@pytest.mark.parametrize("grad_basis, grad_rank", [("activations", 16), ("forward", 6)])
-def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank):
-    """reference = base across two processes: stage 0 codes the drift from the base model's activation
-    of its input ids, stage 1 adds back its own computation of it from the labels (the same ids),
-    loaded from the model folder; equal to the single-process engine, and the bytes each way are
-    the layout's (activations 8 x 4 bits, gradients 16 x 4 bits on a basis of their own, or 6 x 4
-    bits on the forward's) plus the state (the gradient's basis only where it has its own)."""
+@pytest.mark.parametrize("grad_basis, grad_rank, pp", [("activations", 16, 2), ("forward", 6, 2), ("forward", 6, 3)])
+def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank, pp):
+    """reference = base across processes: stage 0 codes the drift from the base model's activation
+    of its input ids, the last stage adds back its own computation of it from the labels (the same
+    ids), a middle stage (pp 3) does both with the ids it reads from its own copy of the data stream,
+    each from the model folder's weights; equal to the single-process engine, and the bytes each way
+    on every link are the layout's (activations 8 x 4 bits, gradients 16 x 4 bits on a basis of
+    their own, or 6 x 4 bits on the forward's) plus the state (the gradient's basis only where it
+    has its own)."""
     codec = {"groups": [[8, 4]], "grad_groups": [[grad_rank, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
              "reference": "base", "grad_basis": grad_basis}
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec)
     out = str(tmp_path / "run")
-    torchrun(2, ["--model", "tiny", "--deepspeed", path, "--pp", "2", "--steps", str(STEPS),
-                 "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
-    ref_losses, ref_state = reference(cfg, 2, 1)
+    torchrun(pp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
+                  "--seq-len", str(SEQ), "--output-dir", out, "--eval-sequences", "0"])
+    ref_losses, ref_state = reference(cfg, pp, 1)
     _compare(out, ref_losses, ref_state, atol=1e-4, mean_atol=5e-7)
     # step 0 is exact (zero drift): the first loss is dense training's
     uncoded = {k: v for k, v in cfg["twocircuit"].items() if k != "codec"}
-    dense_losses, _ = reference({**cfg, "twocircuit": {**uncoded, "mode": "dense"}}, 2, 1)
+    dense_losses, _ = reference({**cfg, "twocircuit": {**uncoded, "mode": "dense"}}, pp, 1)
     s = read_summary(out)
     assert abs(read_metrics(out)[0]["loss"] - dense_losses[0]) < 1e-5
     H = 64
     tokens = STEPS * cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * SEQ
     wb = s["wire_bytes"]
-    assert wb["pp_activations"] == tokens * (8 * 4 // 8 + 2)
-    assert wb["pp_gradients"] == tokens * (grad_rank * 4 // 8 + 2)
+    assert wb["pp_activations"] == (pp - 1) * tokens * (8 * 4 // 8 + 2)
+    assert wb["pp_gradients"] == (pp - 1) * tokens * (grad_rank * 4 // 8 + 2)
     own = grad_rank if grad_basis == "activations" else 0
-    assert wb["pp_codec_state"] == 2 * 2 * (H + H * 8 + H * own)
+    assert wb["pp_codec_state"] == (pp - 1) * 2 * 2 * (H + H * 8 + H * own)
+
+
+def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
+    """pp 3: the middle stage reads one micro-batch of its own data stream per forward pass, in
+    training, on a clean step (dense boundaries: nothing coded, the stream read all the same), in
+    both evaluations, and after a resume from a checkpoint. A stream one micro-batch out of step
+    would add another sequence's base activation and land far from the single-process engine."""
+    codec = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": [0], "refresh_every": 2,
+             "reference": "base", "grad_basis": "forward"}
+    path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec, clean_every=2)
+    common = ["--model", "tiny", "--deepspeed", path, "--pp", "3", "--seq-len", str(SEQ), "--eval-sequences", "8"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    torchrun(3, common + ["--steps", "4", "--output-dir", full])
+    torchrun(3, common + ["--steps", "2", "--output-dir", part, "--save-checkpoint"])
+    torchrun(3, common + ["--steps", "4", "--output-dir", part, "--resume", os.path.join(part, "checkpoint")])
+    from ds_twocircuit import train
+    ref_out = str(tmp_path / "ref")
+    assert train.run(["--engine", "reference"] + common + ["--steps", "4", "--output-dir", ref_out]) == 0
+    a, b, r = read_summary(full), read_summary(part), read_summary(ref_out)
+    assert [m["loss"] for m in read_metrics(full)] == pytest.approx([m["loss"] for m in read_metrics(ref_out)], abs=1e-4)
+    for key in ("heldout_loss", "heldout_loss_masked"):
+        assert a[key] == b[key]                              # resumed: bit for bit
+        assert a[key] == pytest.approx(r[key], abs=1e-4)     # the single-process engine
+    assert a["heldout_loss"] != a["heldout_loss_masked"]
+    wa, wb_ = read_weights(os.path.join(full, "hf")), read_weights(os.path.join(part, "hf"))
+    assert all(torch_equal(wa[k], wb_[k]) for k in wa)
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+    return torch.equal(x, y)

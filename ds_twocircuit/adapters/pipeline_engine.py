@@ -72,31 +72,54 @@ class MaskedPipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ the base model's boundary
     def _setup_reference(self):
-        """``twocircuit.codec.reference = "base"``: both ends of the link compute the base model's
-        activation at the boundary for the micro-batch's tokens, from the pretrained weights in the
-        model folder (frozen; loaded once, no link traffic). Two stages: both read the token ids
-        (the first stage its inputs, the last its labels, which are the same ids); a middle stage has
-        no data stream of its own yet."""
+        """``twocircuit.codec.reference = "base"``: both ends of a link compute the base model's
+        activation at that boundary for the micro-batch's tokens, from the pretrained weights in the
+        model folder (frozen, forward only; loaded once, no link traffic). Stage s holds the base
+        model's pipeline layers up to its last boundary (its outbound one, or its inbound one on the
+        last stage): the compute and memory of a frozen copy of everything before it, a share that
+        grows with the stage's depth. The first stage reads the token ids from its inputs, the last
+        from its labels (the same ids); a middle stage reads them from its own copy of the data
+        stream (every rank has one: no byte crosses a link for them)."""
         import torch.nn as nn
-        from ..configkit import ConfigError
         from ..models.layers import DecoderPipe, EmbedPipe, WeightReader, load_layer_weights
-        if self.num_stages != 2:
-            raise ConfigError(f"twocircuit.codec.reference = \"base\" on the pipeline engine needs 2 stages "
-                              f"(both ends read the token ids), got {self.num_stages}; use --pp 2 or the "
-                              "single-process reference engine")
         spec = self.module._tc_spec
-        stop = self.module.parts[1]           # pipeline layers [0, stop): the embedding and stop - 1 decoders
+        parts = self.module.parts
+        s, last = self.stage_id, self.num_stages - 1
+        stop = parts[s + 1] if s < last else parts[s]   # pipeline layers [0, stop): embedding + stop - 1 decoders
         layers = [EmbedPipe(spec)] + [DecoderPipe(spec, i) for i in range(stop - 1)]
         reader = WeightReader(spec.folder)
         for m in layers:
             load_layer_weights(m, spec, reader)
         ref = next(self.module.parameters())
         self._ref_prefix = nn.Sequential(*layers).to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)
-        self._ref_pending = set()             # last stage: buffers whose input still lacks the base activation
+        self._ref_split = parts[s] if 0 < s < last else None   # a middle stage: where its inbound boundary is
+        self._ref_pending = set()             # buffers whose input still lacks the base activation
+        self._ref_outbound = {}               # a middle stage: buffer -> the base activation it sends against
 
     def _reference(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._ref_prefix(ids.to(next(self._ref_prefix.parameters()).device))
+
+    def _reference_both(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A middle stage: the base activations at its inbound and its outbound boundary."""
+        with torch.no_grad():
+            x = self._ref_prefix[:self._ref_split](ids.to(next(self._ref_prefix.parameters()).device))
+            return x, self._ref_prefix[self._ref_split:](x)
+
+    def _reads_ids(self) -> bool:
+        return getattr(self, "_ref_split", None) is not None
+
+    def set_dataiterator(self, iterator):
+        """DeepSpeed gives the data stream to the first and last stages only; a middle stage that
+        computes the base model's activations reads its token ids from it too."""
+        super().set_dataiterator(iterator)
+        if self._reads_ids():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def _next_ids(self) -> torch.Tensor:
+        batch = self._next_batch()
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
 
     def _uses_reference(self, codec) -> bool:
         return self._ref_prefix is not None and codec.needs_reference
@@ -195,8 +218,11 @@ class MaskedPipelineEngine(PipelineEngine):
         n_state = self.codec_out.state_tensor_count(msg) if self.codec_out.stateful else 0
         t0 = time.perf_counter()
         kw = {}
-        if self._uses_reference(self.codec_out):   # the first stage's inputs are the token ids
-            kw["ref"] = self._reference(self.pipe_buffers["inputs"][buffer_id]).to(outputs.dtype)
+        if self._uses_reference(self.codec_out):
+            # the first stage's inputs are the token ids; a middle stage computed it in its forward pass
+            base = (self._ref_outbound.pop(buffer_id) if self._reads_ids()
+                    else self._reference(self.pipe_buffers["inputs"][buffer_id]))
+            kw["ref"] = base.to(outputs.dtype)
         payload = self.codec_out.pack_activation(outputs, msg, **kw)
         self.timing["codec_s"] += time.perf_counter() - t0
         if n_state:  # mean / basis of a stateful codec, counted apart
@@ -213,9 +239,9 @@ class MaskedPipelineEngine(PipelineEngine):
             p2p.recv(b, self.prev_stage)
         t0 = time.perf_counter()
         if self._uses_reference(self.codec_in):
-            # the token ids arrive with this micro-batch's labels, loaded after this instruction:
-            # the base activation is added in the forward pass (the codec adds it last, so adding
-            # zero here and it there is the same sum)
+            # the token ids arrive after this instruction (the last stage's labels, a middle stage's
+            # own read of the data stream): the base activation is added in the forward pass (the
+            # codec adds it last, so adding zero here and it there is the same sum)
             x = self.codec_in.unpack_activation(bufs, msg, ref.dtype, ref=torch.zeros(ref.shape, device=ref.device))
             self._ref_pending.add(buffer_id)
         else:
@@ -250,10 +276,21 @@ class MaskedPipelineEngine(PipelineEngine):
     # ------------------------------------------------------------------ compute timing
     def _exec_forward_pass(self, buffer_id):
         t0 = time.perf_counter()
+        base_in = None
+        if self._reads_ids():
+            # one micro-batch of the stream per forward pass, whether or not this pass codes (a dense
+            # evaluation or clean step), so the stream stays in step with the first stage's
+            ids = self._next_ids()
+            if buffer_id in self._ref_pending or self._uses_reference(self.codec_out):
+                base_in, base_out = self._reference_both(ids)
+                if self._uses_reference(self.codec_out):
+                    self._ref_outbound[buffer_id] = base_out
         if self._ref_prefix is not None and buffer_id in self._ref_pending:
             self._ref_pending.discard(buffer_id)
             drift = self.pipe_buffers["inputs"][buffer_id]
-            x = (drift.detach() + self._reference(self.pipe_buffers["labels"][buffer_id]).to(drift.dtype)).contiguous()
+            if base_in is None:
+                base_in = self._reference(self.pipe_buffers["labels"][buffer_id])
+            x = (drift.detach() + base_in.to(drift.dtype)).contiguous()
             x.requires_grad = x.is_floating_point()
             self.pipe_buffers["inputs"][buffer_id] = x
         super()._exec_forward_pass(buffer_id)
