@@ -91,7 +91,8 @@ class MaskedPipelineEngine(PipelineEngine):
         for m in layers:
             load_layer_weights(m, spec, reader)
         ref = next(self.module.parameters())
-        self._ref_prefix = nn.Sequential(*layers).to(device=ref.device, dtype=ref.dtype).eval().requires_grad_(False)
+        self._ref_prefix = nn.Sequential(*layers).to(device=ref.device).eval().requires_grad_(False)
+        _mirror_dtypes(self._ref_prefix, self.module)
         self._ref_split = parts[s] if 0 < s < last else None   # a middle stage: where its inbound boundary is
         self._ref_pending = set()             # buffers whose input still lacks the base activation
         self._ref_outbound = {}               # a middle stage: buffer -> the base activation it sends against
@@ -344,3 +345,34 @@ class MaskedPipelineEngine(PipelineEngine):
         schedule.ReduceGrads: _exec_reduce_grads,
         schedule.OptimizerStep: _exec_optimizer_step,
     }
+
+
+def _mirror_dtypes(copy, live) -> None:
+    """Give every tensor of the base model's frozen ``copy`` the dtype its counterpart has in the
+    ``live`` stage, so that at step 0 both compute bit-alike and the drift is exactly zero. A bf16
+    or fp16 DeepSpeed engine casts parameters only: buffers such as the rotary ``inv_freq`` stay
+    fp32 (and ``keep_in_fp32_modules`` keeps some parameters fp32), which a blanket ``.to(dtype)``
+    would round. Layers this stage does not hold take the dtypes of a layer of the same type
+    here, else the stage's parameter and buffer dtypes."""
+    from ..models.layers import DecoderPipe, EmbedPipe
+    kinds = (EmbedPipe, DecoderPipe)
+    seen = {}
+    for m in live.modules():
+        if isinstance(m, kinds):
+            for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+                seen.setdefault((type(m), n), t.dtype)
+    param_dtype = next(live.parameters()).dtype
+    buffer_dtype = next((b.dtype for b in live.buffers() if b.is_floating_point()), param_dtype)
+    for layer in copy:
+        for n, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+            if not t.is_floating_point():
+                continue
+            is_param = isinstance(t, torch.nn.Parameter)
+            dtype = seen.get((type(layer), n), param_dtype if is_param else buffer_dtype)
+            owner, _, leaf = n.rpartition(".")
+            mod = layer.get_submodule(owner) if owner else layer
+            if is_param:
+                t.data = t.data.to(dtype)
+            else:
+                mod._buffers[leaf] = t.to(dtype)
+
