@@ -363,6 +363,8 @@ def test_lowrank20_is_the_screened_drift_layout():
     codec = shipped["twocircuit"]["codec"]
     assert (codec["groups"], codec["grad_groups"], codec["reference"], codec["grad_basis"], codec["refresh_every"]) \
         == ([[88, 4]], [[88, 4]], "base", "forward", 10)
-    # 88 x 4 bits = 44 bytes of coefficients each way: under 1/20 of a bf16 boundary (1,152 bytes for
-    # SmolLM2's 576 channels) before the counted state and scales
-    assert 88 * 4 / 8 < 576 * 2 / 20
+    # the coefficients and their bf16 scale each way (46 bytes) leave room under 1/20 of SmolLM2's bf16
+    # boundary (576 channels x 2 bytes / 20 = 57.6) for the refits' state (10.6 bytes a token measured)
+    per_token = sum(n * bits for n, bits in codec["groups"]) / 8 + 2
+    assert per_token == sum(n * bits for n, bits in codec["grad_groups"]) / 8 + 2 == 46
+    assert per_token + 10.6 < 576 * 2 / 20

@@ -40,16 +40,18 @@ def test_kernel_counts_what_the_project_counts(tmp_path):
 
 def test_kernel_counts_the_drift_codec(tmp_path):
     """ds_configs/lowrank20.json (the drift from the base model, the gradient on the forward's basis,
-    refitted) on two namespaces with the defaults on (export included), scaled to tiny's 64 channels:
-    both ends compute the base model's activation themselves, so the kernel sees only the counted
-    coefficients, the refits' state and framing. A dense boundary sent anywhere uncounted would add
-    0.5 MB a step each way, far outside the allowance."""
+    refitted) on three namespaces, pp 3, with the defaults on (export included), scaled to tiny's 64
+    channels: every stage computes the base model's activations itself (the middle one from its own
+    read of the data stream), so each link carries only the counted coefficients, the refits' state
+    and framing. Sized so that what the design must not send would show: the token ids (8 bytes a
+    token, 262 KB a link here) or a dense boundary (256 bytes a token) over the allowance."""
     out = str(tmp_path / "run")
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "2", "--mbit", "100", "--",
-           "launch/train.py", "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "lowrank20.json"),
+    steps, seq = 16, 256
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "mesh.py"), "--ranks", "3", "--mbit", "100", "--",
+           "launch/train.py", "--model", "tiny", "--deepspeed", os.path.join(CONFIGS, "lowrank20.json"), "--pp", "3",
            "--set", "twocircuit.codec.groups=[[16,4]]", "--set", "twocircuit.codec.grad_groups=[[16,4]]",
            "--set", "twocircuit.codec.refresh_every=3",
-           "--steps", "8", "--seq-len", "256", "--eval-sequences", "0", "--output-dir", out]
+           "--steps", str(steps), "--seq-len", str(seq), "--eval-sequences", "0", "--output-dir", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     s = read_summary(out)
@@ -57,15 +59,16 @@ def test_kernel_counts_the_drift_codec(tmp_path):
     wb = s["wire_bytes"]
     codec = s["config"]["twocircuit"]["codec"]
     assert (codec["reference"], codec["grad_basis"], codec["groups"]) == ("base", "forward", [[16, 4]])
-    tokens = 8 * 2 * 4 * 256                      # steps x micro-batch x accumulation x sequence
-    # the same layout each way; under a tenth of a dense fp32 boundary (256 bytes a token)
-    assert wb["pp_activations"] == wb["pp_gradients"] and 0 < wb["pp_activations"] < tokens * 25
-    assert wb["pp_codec_state"] > 0 and wb["export"] == 0
-    ours_fwd = wb["pp_activations"] + wb["pp_handshake"] + wb["pp_codec_state"]
-    ours_bwd = wb["pp_gradients"] + wb["export"]
-    for link, ours in (("0->1", ours_fwd), ("1->0", ours_bwd)):
+    tokens = steps * 2 * 4 * seq                 # micro-batch 2, accumulation 4, on each of the 2 links
+    assert wb["pp_activations"] == wb["pp_gradients"] == 2 * tokens * (16 * 4 // 8 + 2)
+    assert wb["pp_codec_state"] > 0 and wb["export"] == 0 and wb["pp_tied"] == 0
+    # the two links carry the same layout: each its half of what the ranks counted
+    ours_fwd = (wb["pp_activations"] + wb["pp_handshake"] + wb["pp_codec_state"]) / 2
+    ours_bwd = wb["pp_gradients"] / 2
+    for link, ours in (("0->1", ours_fwd), ("1->2", ours_fwd), ("1->0", ours_bwd), ("2->1", ours_bwd)):
         kernel = mesh["kernel_bytes"][link]
         assert ours <= kernel <= 1.08 * ours + 150_000, (link, kernel, ours)
+        assert 1.08 * ours + 150_000 < ours + 8 * tokens      # the ids would not fit in the allowance
 
 
 def namespaces(prefix: str) -> list[str]:

@@ -109,12 +109,14 @@ def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_
 def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
     """pp 3: the middle stage reads one micro-batch of its own data stream per forward pass, in
     training, on a clean step (dense boundaries: nothing coded, the stream read all the same), in
-    both evaluations, and after a resume from a checkpoint. A stream one micro-batch out of step
+    coded evaluations between training steps (--eval-every 2: the evaluation's stream swapped in and
+    the training's back), and after a resume from a checkpoint. A stream one micro-batch out of step
     would add another sequence's base activation and land far from the single-process engine."""
     codec = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": [0], "refresh_every": 2,
              "reference": "base", "grad_basis": "forward"}
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec, clean_every=2)
-    common = ["--model", "tiny", "--deepspeed", path, "--pp", "3", "--seq-len", str(SEQ), "--eval-sequences", "8"]
+    common = ["--model", "tiny", "--deepspeed", path, "--pp", "3", "--seq-len", str(SEQ), "--eval-sequences", "8",
+              "--eval-every", "2"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     torchrun(3, common + ["--steps", "4", "--output-dir", full])
     torchrun(3, common + ["--steps", "2", "--output-dir", part, "--save-checkpoint"])
@@ -128,6 +130,11 @@ def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
         assert a[key] == b[key]                              # resumed: bit for bit
         assert a[key] == pytest.approx(r[key], abs=1e-4)     # the single-process engine
     assert a["heldout_loss"] != a["heldout_loss_masked"]
+    ca, cr = a["heldout_curve"], r["heldout_curve"]
+    assert [c["step"] for c in ca] == [c["step"] for c in cr] == [0, 2, 4]
+    for x, y in zip(ca, cr):      # the evaluations between training steps too
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-4)
+        assert x["loss_coded"] == pytest.approx(y["loss_coded"], abs=1e-4)
     wa, wb_ = read_weights(os.path.join(full, "hf")), read_weights(os.path.join(part, "hf"))
     assert all(torch_equal(wa[k], wb_[k]) for k in wa)
 

@@ -25,7 +25,11 @@ OVERRIDDEN = {
     (PIPE_ENGINE, "_exec_recv_activations"): (["self", "buffer_id"], "the boundary codec (receive)"),
     (PIPE_ENGINE, "_exec_send_grads"): (["self", "buffer_id"], "the boundary codec (send)"),
     (PIPE_ENGINE, "_exec_recv_grads"): (["self", "buffer_id"], "the boundary codec (receive)"),
-    (PIPE_ENGINE, "_exec_forward_pass"): (["self", "buffer_id"], "compute timing"),
+    (PIPE_ENGINE, "_exec_forward_pass"): (["self", "buffer_id"], "compute timing; reference = base: a "
+                                          "middle stage reads its token ids, the base activation is added"),
+    (PIPE_ENGINE, "set_dataiterator"): (["self", "iterator"], "reference = base: a middle stage keeps the "
+                                        "data stream (DeepSpeed gives it to the first and last stages only; "
+                                        "eval_batch swaps its iterator in and back through it)"),
     (PIPE_ENGINE, "_exec_backward_pass"): (["self", "buffer_id"], "compute timing"),
     (PIPE_ENGINE, "_exec_reduce_tied_grads"): (["self"], "tied-weight bytes counted"),
     (PIPE_ENGINE, "_exec_reduce_grads"): (["self"], "the DP backend replaces the all-reduce"),
@@ -45,6 +49,8 @@ USED = {
     (PIPE_ENGINE, "_send_tensor_meta"): "pipeline_engine: the shape handshake of the first send",
     (PIPE_ENGINE, "_recv_tensor_meta"): "pipeline_engine: the shape handshake of the first receive",
     (PIPE_ENGINE, "_force_grad_boundary"): "pipeline_engine: set around the DP backend's reduction",
+    (PIPE_ENGINE, "_next_batch"): "pipeline_engine: a middle stage's token ids (reference = base)",
+    (PIPE_ENGINE, "data_iterator"): "pipeline_engine: a middle stage's data stream (reference = base)",
     (PIPE_MODULE, "_set_bounds"): "pipe_module: stage boundaries",
     (PIPE_MODULE, "_topo"): "pipe_module: this rank's stage",
     (PIPE_MODULE, "_local_start"): "anchor_circuit: which layer files a stage writes",

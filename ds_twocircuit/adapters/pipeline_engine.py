@@ -82,6 +82,8 @@ class MaskedPipelineEngine(PipelineEngine):
         stream (every rank has one: no byte crosses a link for them)."""
         import torch.nn as nn
         from ..models.layers import DecoderPipe, EmbedPipe, WeightReader, load_layer_weights
+        if self.num_stages == 1:              # no boundary to code
+            return
         spec = self.module._tc_spec
         parts = self.module.parts
         s, last = self.stage_id, self.num_stages - 1
@@ -119,6 +121,9 @@ class MaskedPipelineEngine(PipelineEngine):
             self.data_iterator = iterator
 
     def _next_ids(self) -> torch.Tensor:
+        if self.data_iterator is None:
+            raise RuntimeError("twocircuit.codec.reference = \"base\": a middle pipeline stage reads its token ids "
+                               "from the data stream, but none was given (pass it to train_batch / eval_batch)")
         batch = self._next_batch()
         return batch[0] if isinstance(batch, (tuple, list)) else batch
 
@@ -243,7 +248,9 @@ class MaskedPipelineEngine(PipelineEngine):
             # the token ids arrive after this instruction (the last stage's labels, a middle stage's
             # own read of the data stream): the base activation is added in the forward pass (the
             # codec adds it last, so adding zero here and it there is the same sum)
-            x = self.codec_in.unpack_activation(bufs, msg, ref.dtype, ref=torch.zeros(ref.shape, device=ref.device))
+            # (decoded in fp32 and rounded to the stage's dtype once, after the base activation is added)
+            x = self.codec_in.unpack_activation(bufs, msg, torch.float32,
+                                                ref=torch.zeros(ref.shape, device=ref.device))
             self._ref_pending.add(buffer_id)
         else:
             x = self.codec_in.unpack_activation(bufs, msg, ref.dtype)
@@ -291,7 +298,7 @@ class MaskedPipelineEngine(PipelineEngine):
             drift = self.pipe_buffers["inputs"][buffer_id]
             if base_in is None:
                 base_in = self._reference(self.pipe_buffers["labels"][buffer_id])
-            x = (drift.detach() + base_in.to(drift.dtype)).contiguous()
+            x = (drift.detach().float() + base_in.float()).to(self.pipe_recv_buf.dtype).contiguous()
             x.requires_grad = x.is_floating_point()
             self.pipe_buffers["inputs"][buffer_id] = x
         super()._exec_forward_pass(buffer_id)
@@ -351,8 +358,7 @@ def _mirror_dtypes(copy, live) -> None:
     """Give every tensor of the base model's frozen ``copy`` the dtype its counterpart has in the
     ``live`` stage, so that at step 0 both compute bit-alike and the drift is exactly zero. A bf16
     or fp16 DeepSpeed engine casts parameters only: buffers such as the rotary ``inv_freq`` stay
-    fp32 (and ``keep_in_fp32_modules`` keeps some parameters fp32), which a blanket ``.to(dtype)``
-    would round. Layers this stage does not hold take the dtypes of a layer of the same type
+    fp32 (as do ``keep_in_fp32_modules``' buffers), which a blanket ``.to(dtype)`` would round. Layers this stage does not hold take the dtypes of a layer of the same type
     here, else the stage's parameter and buffer dtypes."""
     from ..models.layers import DecoderPipe, EmbedPipe
     kinds = (EmbedPipe, DecoderPipe)
