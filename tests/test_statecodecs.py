@@ -457,3 +457,49 @@ def test_lowrank_reference_merges_both_moments_for_another_dp_width():
         assert torch.allclose(merged[k]["s1"], (ends[0][k]["s1"] + ends[1][k]["s1"]) / 2)
         assert torch.allclose(merged[k]["s2"], (ends[0][k]["s2"] + ends[1][k]["s2"]) / 2)
     assert not torch.allclose(merged["moments"]["s2"], merged["moments_x"]["s2"])
+
+
+def test_moments_halflife_weighs_older_steps_down():
+    """moments_halflife = 10: at the first training message of step 10, what the sender saw at step 0
+    weighs 0.5, at step 20 0.25 (by the step numbers: a skipped step changes nothing); evaluation
+    messages neither age nor add; the step the statistics are weighed at survives a state_dict round
+    trip, so a resumed sender ages them alike. 0 (the default) keeps every token alike."""
+    torch.manual_seed(7)
+    H, T = 32, 12
+    xs = {0: torch.randn(T, H), 10: torch.randn(T, H) + 1, 20: torch.randn(T, H) - 2}
+
+    def run(halflife, steps):
+        send = build_codec("lowrank", cfg={"groups": [[8, 4]], "refresh_steps": [0], "moments_halflife": halflife})
+        for k, step in enumerate(steps):
+            m = send.message(k, (T, H), step, first_of_step=True, train=True)
+            send.pack_activation(xs[step], m)
+            ev = send.message(100 + k, (T, H), step, first_of_step=True, train=False)  # an evaluation
+            send.pack_activation(torch.randn(T, H) * 100, ev)
+        return send
+
+    s = run(10, [0, 10, 20])
+    w = {0: 0.25, 10: 0.5, 20: 1.0}
+    assert s.moments.n == pytest.approx(T * sum(w.values()))
+    s1 = sum(w[k] * xs[k].double().sum(0) for k in w)
+    s2 = sum(w[k] * xs[k].double().T @ xs[k].double() for k in w)
+    assert torch.allclose(s.moments.s1, s1) and torch.allclose(s.moments.s2, s2)
+    # the weighted covariance it fits on
+    n = T * sum(w.values())
+    assert torch.allclose(s.moments.covariance(), s2 / n - torch.outer(s1 / n, s1 / n))
+    # no forgetting by default
+    flat = run(0, [0, 10, 20])
+    assert flat.moments.n == 3 * T and torch.allclose(flat.moments.s1, sum(x.double().sum(0) for x in xs.values()))
+    # resume: the weighing step is part of the state
+    a = run(10, [0, 10])
+    b = build_codec("lowrank", cfg={"groups": [[8, 4]], "refresh_steps": [0], "moments_halflife": 10})
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert b.moments_step == 10
+    for c in (a, b):
+        c.pack_activation(xs[20], c.message(9, (T, H), 20, first_of_step=True, train=True))
+    assert torch.equal(a.moments.s2, b.moments.s2) and torch.allclose(a.moments.s1, s1)
+
+
+@pytest.mark.parametrize("value", [-1, "10", True])
+def test_moments_halflife_errors_name_the_key(value):
+    with pytest.raises(ConfigError, match=r"twocircuit\.codec\.moments_halflife"):
+        TwoCircuitConfig.from_dict({"mode": "lowrank", "codec": {"moments_halflife": value}})

@@ -113,7 +113,7 @@ def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
     the training's back), and after a resume from a checkpoint. A stream one micro-batch out of step
     would add another sequence's base activation and land far from the single-process engine."""
     codec = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": [0], "refresh_every": 2,
-             "reference": "base", "grad_basis": "forward"}
+             "reference": "base", "grad_basis": "forward", "moments_halflife": 1.5}   # aged alike by both engines
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec, clean_every=2)
     common = ["--model", "tiny", "--deepspeed", path, "--pp", "3", "--seq-len", str(SEQ), "--eval-sequences", "8",
               "--eval-every", "2"]

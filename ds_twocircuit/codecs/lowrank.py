@@ -190,6 +190,9 @@ class LowRankCodec(StatefulCodec):
         columns."""
         return self.grad_basis if self.own_grad_basis else self.basis[:, :self.grad_rank]
 
+    def _running_moments(self) -> list:
+        return [self.moments] + ([self.moments_x] if self.moments_x is not None else [])
+
     def state_dict(self) -> dict:
         d = super().state_dict()
         if self.own_grad_basis:

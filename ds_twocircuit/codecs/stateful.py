@@ -36,6 +36,8 @@ class RefreshConfig:
     refresh_steps: list = field(default_factory=lambda: [0, 1, 3])  # steps whose first message ships
                                     # new state fitted on everything the sender saw
     refresh_every: int = 0          # and every N steps after the last listed one (0: never)
+    moments_halflife: float = 0     # training steps after which a token's weight in the statistics a
+                                    # refresh fits on has halved (0: every token since step 0 alike)
 
     def validate(self, p):
         if (not isinstance(self.refresh_steps, list) or not self.refresh_steps
@@ -43,6 +45,10 @@ class RefreshConfig:
             raise ConfigError(f"{p}.refresh_steps must be a non-empty list of step numbers >= 0 "
                               f"(the first is the step that ships the first state), got {self.refresh_steps!r}")
         check_range(self.refresh_every, f"{p}.refresh_every", 0, 1 << 30)
+        if isinstance(self.moments_halflife, bool) or not isinstance(self.moments_halflife, (int, float)):
+            raise ConfigError(f"{p}.moments_halflife must be a number of training steps >= 0 (0: no "
+                              f"forgetting), got {self.moments_halflife!r}")
+        check_range(self.moments_halflife, f"{p}.moments_halflife", 0, None)
 
     def schedule(self) -> RefreshSchedule:
         return RefreshSchedule(self.refresh_steps, self.refresh_every)
@@ -72,12 +78,25 @@ class RunningMoments:
         if self.second:
             self.s2 += f.T @ f
 
+    def scale(self, factor: float) -> None:
+        """Weigh everything seen so far by ``factor`` (exponential forgetting: the mean and covariance
+        become those of the tokens weighted alike within each add and by ``factor`` across)."""
+        if self.s1 is None:
+            return
+        self.n *= factor
+        self.s1 *= factor
+        if self.s2 is not None:
+            self.s2 *= factor
+
+    def _count(self):
+        return self.n if self.n > 0 else 1
+
     def mean(self) -> torch.Tensor:
-        return self.s1 / max(self.n, 1)
+        return self.s1 / self._count()
 
     def covariance(self) -> torch.Tensor:
         m = self.mean()
-        return self.s2 / max(self.n, 1) - torch.outer(m, m)
+        return self.s2 / self._count() - torch.outer(m, m)
 
     def state_dict(self):
         return {"n": self.n, "s1": self.s1, "s2": self.s2}
@@ -95,9 +114,32 @@ class StatefulCodec(Codec):
 
     def _init_state(self, second: bool):
         self.refresh = (self.cfg or RefreshConfig()).schedule()
+        self.moments_halflife = float(getattr(self.cfg, "moments_halflife", 0) or 0)
+        self.moments_step = None      # the training step the statistics are weighed at (halflife > 0)
         self.moments = RunningMoments(second)
         self.has_state = False
         self.state_bytes_sent = 0
+
+    def message(self, key, shape, step: int, first_of_step: bool, train: bool) -> Message:
+        if train and first_of_step:
+            self._age_moments(step)
+        return super().message(key, shape, step, first_of_step, train)
+
+    def _running_moments(self) -> list:
+        """The statistics a refresh fits on (a subclass with more adds them)."""
+        return [self.moments]
+
+    def _age_moments(self, step: int) -> None:
+        """``moments_halflife``: at the first training message of a step, weigh what was seen before
+        by 0.5 ** (steps since / halflife). A function of the step numbers alone, so a resumed run
+        (``moments_step`` is in the state) and a run with skipped steps (clean steps) agree."""
+        if not self.moments_halflife:
+            return
+        if self.moments_step is not None and step > self.moments_step:
+            factor = 0.5 ** ((step - self.moments_step) / self.moments_halflife)
+            for m in self._running_moments():
+                m.scale(factor)
+        self.moments_step = step if self.moments_step is None else max(step, self.moments_step)
 
     def refresh_due(self, step: int) -> bool:
         return self.refresh.due(step)
@@ -105,7 +147,7 @@ class StatefulCodec(Codec):
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue bit-for-bit (saved per rank)."""
         return {"moments": self.moments.state_dict(), "has_state": self.has_state,
-                **{k: getattr(self, k) for k in self._STATE_FIELDS}}
+                "moments_step": self.moments_step, **{k: getattr(self, k) for k in self._STATE_FIELDS}}
 
     @classmethod
     def merge_states(cls, states: list[dict]) -> dict:
@@ -123,6 +165,7 @@ class StatefulCodec(Codec):
     def load_state_dict(self, d: dict) -> None:
         self.moments.load_state_dict(d["moments"])
         self.has_state = d["has_state"]
+        self.moments_step = d.get("moments_step")     # absent in checkpoints from before the key
         for k in self._STATE_FIELDS:
             setattr(self, k, d[k])
 
