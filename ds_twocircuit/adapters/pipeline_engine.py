@@ -358,8 +358,9 @@ def _mirror_dtypes(copy, live) -> None:
     """Give every tensor of the base model's frozen ``copy`` the dtype its counterpart has in the
     ``live`` stage, so that at step 0 both compute bit-alike and the drift is exactly zero. A bf16
     or fp16 DeepSpeed engine casts parameters only: buffers such as the rotary ``inv_freq`` stay
-    fp32 (as do ``keep_in_fp32_modules``' buffers), which a blanket ``.to(dtype)`` would round. Layers this stage does not hold take the dtypes of a layer of the same type
-    here, else the stage's parameter and buffer dtypes."""
+    fp32 (as do ``keep_in_fp32_modules``' buffers), which a blanket ``.to(dtype)`` would round.
+    Layers this stage does not hold take the dtypes of a layer of the same type here, else the
+    stage's parameter and buffer dtypes."""
     from ..models.layers import DecoderPipe, EmbedPipe
     kinds = (EmbedPipe, DecoderPipe)
     seen = {}
@@ -381,4 +382,3 @@ def _mirror_dtypes(copy, live) -> None:
                 t.data = t.data.to(dtype)
             else:
                 mod._buffers[leaf] = t.to(dtype)
-
