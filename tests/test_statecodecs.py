@@ -412,6 +412,48 @@ def test_lowrank_reference_forward_grad_basis_is_the_exact_gradient_on_the_drift
     assert float((y1 - x1).norm() / (x1 - ref).norm()) < 0.15
 
 
+def test_lowrank_state_bits_8_ships_int8_bases_both_ends_alike():
+    """state_bits 8: each basis crosses as int8 entries with one bf16 scale per direction (its largest
+    entry / 127); both ends decode the same basis, the state costs H r + 2 r bytes a basis instead of
+    2 H r, the reconstruction stays within a hair of the bf16 basis', and a resumed sender refits the
+    same bytes."""
+    torch.manual_seed(13)
+    H, T = 64, 300
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    ref = (torch.randn(T, H) * torch.logspace(0.5, -1, H)) @ q.T + 2.0
+    x = ref + 0.1 * torch.randn(T, 8) @ torch.linalg.qr(torch.randn(H, 8))[0].T + 0.01 * torch.randn(T, H)
+    base = {"groups": [[8, 4]], "grad_groups": [[16, 4]], "refresh_steps": [0], "reference": "base"}
+    cfg8 = {**base, "state_bits": 8}
+    send, recv = build_codec("lowrank", cfg=cfg8), build_codec("lowrank", cfg=cfg8)
+    send16, recv16 = build_codec("lowrank", cfg=base), build_codec("lowrank", cfg=base)
+    assert send.describe()["state_bits"] == 8 and "state_bits" not in send16.describe()
+    msg = _msg((T, H), refresh=True)
+    assert send.state_tensor_count(msg) == recv.state_tensor_count(msg) == 5   # mean, basis + scales, grad basis + scales
+    bufs = send.pack_activation(x, msg, ref=ref)
+    assert [(tuple(b.shape), b.dtype) for b in bufs[:5]] == [
+        ((H,), torch.bfloat16), ((H, 8), torch.int8), ((8,), torch.bfloat16), ((H, 16), torch.int8), ((16,), torch.bfloat16)]
+    assert [(tuple(b.shape), b.dtype) for b in recv.activation_buffers(msg, torch.float32, "cpu")] == \
+        [(tuple(b.shape), b.dtype) for b in bufs]
+    assert send.state_bytes_sent == 2 * H + (H * 8 + 2 * 8) + (H * 16 + 2 * 16)
+    y = recv.unpack_activation([b.clone() for b in bufs], msg, torch.float32, ref=ref)
+    assert torch.equal(send.basis, recv.basis) and torch.equal(send.grad_basis, recv.grad_basis)
+    # the decoded basis is the principal basis rounded per direction to 127 levels of its largest entry
+    mom = RunningMoments(True)
+    mom.add((x - ref).double())
+    u = principal_basis(mom.covariance(), 8)
+    s = (u.abs().amax(0) / 127).to(torch.bfloat16).float()
+    assert torch.equal(send.basis, torch.round(u / s).clamp(-127, 127) * s)
+    assert float((send.basis - u).abs().max()) <= float(s.max()) / 2 + 1e-6
+    y16 = recv16.unpack_activation(send16.pack_activation(x, msg, ref=ref), msg, torch.float32, ref=ref)
+    err8, err16 = (float((v - x).norm() / (x - ref).norm()) for v in (y, y16))
+    assert err16 < err8 < err16 + 0.02, (err8, err16)
+    # a resumed sender refits the same bytes
+    send2 = build_codec("lowrank", cfg=cfg8)
+    send2.load_state_dict(copy.deepcopy(send.state_dict()))
+    m2 = _msg((T, H), key=9, refresh=True)
+    assert all(torch.equal(a, b) for a, b in zip(send.pack_activation(x, m2, ref=ref), send2.pack_activation(x, m2, ref=ref)))
+
+
 def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     send, recv = _pair(groups=((24, 8),))
     cfg = {"groups": [[24, 8]], "grad_groups": [[8, 4]], "refresh_steps": [0]}
@@ -434,6 +476,8 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "grad_groups": [[16, 4]], "reference": "base", "grad_basis": "forward"},
      "twocircuit.codec.grad_groups: 16 gradient coefficients, but with grad_basis"),
     ({"groups": [[8, 4]], "reference": "base", "grad_basis": "drift"}, "twocircuit.codec.grad_basis"),
+    ({"groups": [[8, 4]], "state_bits": 4}, "twocircuit.codec.state_bits: 4; allowed: 16"),
+    ({"groups": [[8, 4]], "state_bits": True}, "twocircuit.codec.state_bits"),
 ])
 def test_lowrank_reference_and_grad_groups_errors_name_the_key(section, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

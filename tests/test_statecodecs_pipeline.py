@@ -75,17 +75,19 @@ def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
     assert all(torch.equal(wa[k], wb_[k]) for k in wa)
 
 
-@pytest.mark.parametrize("grad_basis, grad_rank, pp", [("activations", 16, 2), ("forward", 6, 2), ("forward", 6, 3)])
-def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank, pp):
+@pytest.mark.parametrize("grad_basis, grad_rank, pp, state_bits", [
+    ("activations", 16, 2, 16), ("forward", 6, 2, 16), ("forward", 6, 3, 16), ("activations", 16, 2, 8)])
+def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank, pp,
+                                                                             state_bits):
     """reference = base across processes: stage 0 codes the drift from the base model's activation
     of its input ids, the last stage adds back its own computation of it from the labels (the same
     ids), a middle stage (pp 3) does both with the ids it reads from its own copy of the data stream,
     each from the model folder's weights; equal to the single-process engine, and the bytes each way
     on every link are the layout's (activations 8 x 4 bits, gradients 16 x 4 bits on a basis of
     their own, or 6 x 4 bits on the forward's) plus the state (the gradient's basis only where it
-    has its own)."""
+    has its own; with ``state_bits`` 8 both bases cross as int8 with a bf16 scale per direction)."""
     codec = {"groups": [[8, 4]], "grad_groups": [[grad_rank, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
-             "reference": "base", "grad_basis": grad_basis}
+             "reference": "base", "grad_basis": grad_basis, "state_bits": state_bits}
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec)
     out = str(tmp_path / "run")
     torchrun(pp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
@@ -103,7 +105,8 @@ def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_
     assert wb["pp_activations"] == (pp - 1) * tokens * (8 * 4 // 8 + 2)
     assert wb["pp_gradients"] == (pp - 1) * tokens * (grad_rank * 4 // 8 + 2)
     own = grad_rank if grad_basis == "activations" else 0
-    assert wb["pp_codec_state"] == (pp - 1) * 2 * 2 * (H + H * 8 + H * own)
+    basis = (lambda r: 2 * H * r) if state_bits == 16 else (lambda r: H * r + 2 * r if r else 0)
+    assert wb["pp_codec_state"] == (pp - 1) * 2 * (2 * H + basis(8) + basis(own))
 
 
 def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):

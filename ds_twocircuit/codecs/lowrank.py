@@ -1,7 +1,8 @@
 """``lowrank``: transform coding of the boundary on the sender's own principal directions.
 
 The sender keeps a running mean and covariance of its own dense boundary activations; on refresh it
-ships the mean and the top-r principal directions U (state: H x (r + 1) values in bf16). Every token
+ships the mean and the top-r principal directions U (state: H x (r + 1) values in bf16; with
+``state_bits: 8`` the basis goes as int8 with one bf16 scale per direction). Every token
 then sends its r coefficients ``(x - mean) U``, quantised in groups of decreasing precision (the
 leading directions carry most of the energy: e.g. 224 coefficients at 4 bits, one bf16 scale per
 token and group: 114 bytes per token against 2,304 for dense fp32 or 1,152 for bf16). The gradient
@@ -36,6 +37,7 @@ from .quant import SCALE_DTYPE, check_groups, dequantize_groups, group_bytes, qu
 from .stateful import RefreshConfig, RunningMoments, StatefulCodec
 
 STATE_DTYPE = torch.bfloat16
+STATE_BITS = (16, 8)      # a basis entry on the wire: bf16, or int8 with one bf16 scale per direction
 COEF_NORMS = ("none", "sqrt_std")
 REFERENCES = ("none", "base")
 GRAD_BASES = ("activations", "forward")
@@ -55,6 +57,8 @@ class LowRankConfig(RefreshConfig):
     reference: str = "none"         # none | base (code the drift from the base model's activation)
     grad_basis: str = "activations"  # with reference base: activations (a basis of the activations'
                                     # own, shipped) | forward (the drift basis: the exact gradient)
+    state_bits: int = 16            # bits of each basis entry a refresh ships: 16 (bf16) | 8 (int8,
+                                    # one bf16 scale per direction: about half the state's bytes)
 
     def validate(self, p):
         try:
@@ -67,6 +71,9 @@ class LowRankConfig(RefreshConfig):
         check_choice(self.coef_norm, COEF_NORMS, f"{p}.coef_norm")
         check_choice(self.reference, REFERENCES, f"{p}.reference")
         check_choice(self.grad_basis, GRAD_BASES, f"{p}.grad_basis")
+        if isinstance(self.state_bits, bool) or self.state_bits not in STATE_BITS:
+            raise ConfigError(f"{p}.state_bits: {self.state_bits!r}; allowed: 16 (bf16 basis) or 8 (int8 "
+                              f"basis, one bf16 scale per direction)")
         if (self.reference == "none" or self.grad_basis == "forward") and self.grad_rank > self.rank:
             why, other = (("the gradient shares the activations' basis", "\"reference\": \"base\"")
                           if self.reference == "none" else
@@ -129,6 +136,13 @@ class LowRankCodec(StatefulCodec):
             raise ValueError(f"lowrank codec: grad_groups rank {self.grad_rank} exceeds the basis' {self.rank}")
         self._STATE_FIELDS = (("mean", "basis") + (("coef_scale",) if self.coef_norm != "none" else ())
                               + (("grad_basis",) if self.own_grad_basis else ()))
+        if cfg.state_bits not in STATE_BITS:
+            raise ValueError(f"lowrank codec: state_bits = {cfg.state_bits!r}; allowed: 16, 8")
+        self.state_bits = cfg.state_bits
+        # tensors on the wire per refresh: an 8-bit basis is two (entries, per-direction scales)
+        per_basis = 2 if self.state_bits == 8 else 1
+        self._n_state_wire = (1 + per_basis + (self.coef_norm != "none")
+                              + (per_basis if self.own_grad_basis else 0))
         self.mean = None
         self.basis = None
         self.coef_scale = None
@@ -164,6 +178,8 @@ class LowRankCodec(StatefulCodec):
                      reference=self.reference)
         if self.needs_reference:
             d.update(grad_basis="activations" if self.own_grad_basis else "forward")
+        if self.state_bits != 16:
+            d.update(state_bits=self.state_bits)
         return d
 
     @staticmethod
@@ -171,19 +187,44 @@ class LowRankCodec(StatefulCodec):
         return [torch.empty(tokens, sum(n * b // 8 for n, b in groups), dtype=torch.uint8, device=device),
                 torch.empty(tokens, len(groups), dtype=SCALE_DTYPE, device=device)]
 
-    def _state_buffers(self, hidden, device):
-        return ([torch.empty(hidden, dtype=STATE_DTYPE, device=device),
-                 torch.empty(hidden, self.rank, dtype=STATE_DTYPE, device=device)]
-                + ([torch.empty(self.rank, dtype=STATE_DTYPE, device=device)] if self.coef_norm != "none" else [])
-                + ([torch.empty(hidden, self.grad_rank, dtype=STATE_DTYPE, device=device)]
-                   if self.own_grad_basis else []))
+    def _basis_buffers(self, hidden, rank, device):
+        if self.state_bits == 8:
+            return [torch.empty(hidden, rank, dtype=torch.int8, device=device),
+                    torch.empty(rank, dtype=STATE_DTYPE, device=device)]
+        return [torch.empty(hidden, rank, dtype=STATE_DTYPE, device=device)]
 
-    def _set_state(self, mean_w, basis_w, *rest):
-        self.mean, self.basis = mean_w.float(), basis_w.float()
-        rest = list(rest)
+    def _state_buffers(self, hidden, device):
+        return ([torch.empty(hidden, dtype=STATE_DTYPE, device=device)]
+                + self._basis_buffers(hidden, self.rank, device)
+                + ([torch.empty(self.rank, dtype=STATE_DTYPE, device=device)] if self.coef_norm != "none" else [])
+                + (self._basis_buffers(hidden, self.grad_rank, device) if self.own_grad_basis else []))
+
+    def _basis_wire(self, u) -> list:
+        """A basis (H, r) as it crosses the link: bf16, or (state_bits 8) int8 entries with one bf16
+        scale per direction (its largest entry / 127), rounded to bf16 before use by both ends."""
+        if self.state_bits != 8:
+            return [u.to(STATE_DTYPE).contiguous()]
+        s = (u.abs().amax(0) / 127).to(STATE_DTYPE)
+        sf = s.float()
+        q = torch.round(u / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp_(-127, 127)
+        return [q.to(torch.int8).contiguous(), s.contiguous()]
+
+    def _basis_from_wire(self, bufs: list) -> torch.Tensor:
+        if self.state_bits != 8:
+            return bufs.pop(0).float()
+        q, s = bufs.pop(0), bufs.pop(0)
+        return q.float() * s.float()
+
+    def _set_state(self, *wire):
+        rest = list(wire)
+        self.mean = rest.pop(0).float()
+        self.basis = self._basis_from_wire(rest)
         self.coef_scale = rest.pop(0).float() if self.coef_norm != "none" else None
-        self.grad_basis = rest.pop(0).float() if self.own_grad_basis else None
+        self.grad_basis = self._basis_from_wire(rest) if self.own_grad_basis else None
         self.has_state = True
+
+    def state_tensor_count(self, msg) -> int:
+        return self._n_state_wire if self.carries_state(msg) else 0
 
     def _gbasis(self):
         """The gradient's basis: its own (reference, grad_basis activations), else the forward's leading
@@ -251,13 +292,12 @@ class LowRankCodec(StatefulCodec):
                 if float(cov.diagonal().sum()) <= DRIFT_FLOOR * float(cov_x.diagonal().sum()):
                     cov = cov_x
             u = principal_basis(cov, self.rank)
-            state = [mom.mean().to(STATE_DTYPE).contiguous(), u.to(STATE_DTYPE).contiguous()]
+            state = [mom.mean().to(STATE_DTYPE).contiguous(), *self._basis_wire(u)]
             if self.coef_norm == "sqrt_std":  # lambda_i ** 0.25, floored against a zero variance
                 var = ((cov @ u) * u).sum(0).clamp_min(0.0)
                 state.append(var.clamp_min(var.max() * 1e-12 + 1e-30).pow(0.25).to(STATE_DTYPE).contiguous())
             if self.own_grad_basis:   # the gradient's basis: the activations' own principal directions
-                state.append(principal_basis(self._moments_x(x, msg).covariance(), self.grad_rank)
-                             .to(STATE_DTYPE).contiguous())
+                state += self._basis_wire(principal_basis(self._moments_x(x, msg).covariance(), self.grad_rank))
             self._set_state(*state)
             self.state_bytes_sent += sum(t.numel() * t.element_size() for t in state)
             out += state
@@ -280,7 +320,7 @@ class LowRankCodec(StatefulCodec):
     def unpack_activation(self, bufs, msg, dtype, ref=None):
         self._check_ref(ref, msg)
         if self.carries_state(msg):
-            n = len(self._STATE_FIELDS)
+            n = self._n_state_wire
             self._set_state(*bufs[:n])
             bufs = bufs[n:]
         c = self._coef_mul(dequantize_groups(bufs[0], bufs[1], self.groups))
