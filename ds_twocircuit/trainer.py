@@ -228,15 +228,18 @@ class Trainer:
         self.evaluating = self.held_seqs is not None and args.eval_sequences > 0
 
     # -------------------------------------------------------------- evaluation
+    def _eval_calls(self) -> tuple[int, int]:
+        """(engine calls, sequences per call) of one held-out evaluation."""
+        per_call = self.plan.mb * self.plan.gas * self.plan.dp
+        return max(1, min(self.args.eval_sequences, len(self.held_seqs)) // per_call), per_call
+
     def held_out(self, coded: bool) -> tuple[float, float | None, int]:
         """(mean held-out loss, its standard error, sequences scored) over the first
         ``--eval-sequences`` held-out windows (at most the held-out set). Each engine call scores one
         global batch (its loss averaged over the DP replicas); the standard error is that of the mean
         of those batch losses."""
         from tqdm import tqdm
-        plan = self.plan
-        per_call = plan.mb * plan.gas * plan.dp
-        calls = max(1, min(self.args.eval_sequences, len(self.held_seqs)) // per_call)
+        calls, per_call = self._eval_calls()
         bar = tqdm(total=calls, desc=f"held-out loss ({'through the codec' if coded else 'dense'}, "
                    f"{calls * per_call} sequences)", unit="batch", leave=False, dynamic_ncols=True,
                    disable=not self.is_rank0)
@@ -250,6 +253,7 @@ class Trainer:
         record the point on the curve and, with ``key``, as ``key`` / ``key_masked`` (+ ``_se``)."""
         point = {"step": step}
         point["loss"], point["se"], self.scored = self.held_out(coded=False)
+        point["sequences"] = self.scored
         if not self.engine.codec.identity:
             point["loss_coded"], point["se_coded"], _ = self.held_out(coded=True)
         self.curve.append(point)
@@ -282,6 +286,28 @@ class Trainer:
             from .files import atomic_write_text
             atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in kept))
 
+    def _first_from_curve(self, start_step: int) -> bool:
+        """A resumed run whose output folder already holds the score of step 0 (``heldout.jsonl``)
+        reports that as ``heldout_loss_first`` (the model before training, the same windows) instead
+        of scoring the resumed weights again: every resume of a long study would otherwise redo an
+        evaluation (minutes) that adds nothing the curve's next point does not. Only a point scored on
+        as many windows as this run scores (else the resumed weights are scored, as before). Rank 0's
+        folder decides for every rank (an evaluation runs on all of them; another node may not share
+        the folder)."""
+        first = (next((p for p in self.curve if p.get("step") == 0), None)
+                 if start_step > 0 and self.is_rank0 else None)
+        calls, per_call = self._eval_calls()
+        ok = first is not None and first.get("sequences") == calls * per_call
+        if not self.world.max(1.0 if ok else 0.0):
+            return False
+        if not self.is_rank0:
+            return True
+        self.evals["heldout_loss_first"], self.evals["heldout_loss_first_se"] = first["loss"], first["se"]
+        if "loss_coded" in first:
+            self.evals["heldout_loss_masked_first"] = first["loss_coded"]
+            self.evals["heldout_loss_masked_first_se"] = first["se_coded"]
+        return True
+
     # -------------------------------------------------------------- run
     def run(self) -> dict | None:
         """All phases; returns the summary on rank 0 (None elsewhere)."""
@@ -304,7 +330,7 @@ class Trainer:
         engine.set_train_data(self.train_seqs, start_step)
         self._restore_curve(start_step)
         link = engine.anchor_link(self.world) if self.tc.anchor.enabled else None
-        if self.evaluating:
+        if self.evaluating and not self._first_from_curve(start_step):
             self.evaluate(start_step, "heldout_loss_first")
 
         log = StepLog(plan, engine, link, self.is_rank0, start_step)

@@ -112,12 +112,27 @@ def test_resume_is_bit_exact(tmp_path, backend):
     part, part_loss, part_out = _run(tmp_path, cfg, "part", steps=4, extra=[*extra, "--resume", "auto"])
     assert part["first_step"] == 2 and part_loss == full_loss
     assert part["heldout_loss"] == full["heldout_loss"]
-    # the held-out curve of the whole run survives the resume (step 2 scored again, the same value)
-    assert [p["step"] for p in part["heldout_curve"]] == [0, 2, 4]
+    # the held-out curve of the whole run survives the resume; the score before training is the first
+    # part's (step 0 is not scored again, nor are the resumed weights: a resume costs no evaluation)
+    assert [p["step"] for p in part["heldout_curve"]] == [0, 4]
     assert part["heldout_curve"][0] == full["heldout_curve"][0] and part["heldout_curve"][-1] == full["heldout_curve"][-1]
+    assert (part["heldout_loss_first"], part["heldout_loss_first_se"]) == (full["heldout_loss_first"], full["heldout_loss_first_se"])
     wa, wb = read_weights(os.path.join(full_out, "hf")), read_weights(os.path.join(part_out, "hf"))
     assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert full["dp_replicas_identical"] is True
+
+
+def test_a_resume_scoring_other_windows_scores_the_resumed_weights(tmp_path):
+    """The step-0 score is reused by a resume only where it was taken on as many held-out windows as
+    the resumed run scores; otherwise the resumed weights are scored (the curve's points stay
+    comparable with each other)."""
+    cfg = _config(tmp_path)
+    _run(tmp_path, cfg, "part", steps=2, extra=["--save-checkpoint"])
+    first = read_summary(str(tmp_path / "part"))
+    part, _, _ = _run(tmp_path, cfg, "part", steps=3, extra=["--resume", "auto", "--eval-sequences", "8"])
+    assert [p["step"] for p in part["heldout_curve"]] == [0, 2, 3]
+    assert [p["sequences"] for p in part["heldout_curve"]] == [4, 8, 8]
+    assert part["heldout_loss_first"] == part["heldout_curve"][1]["loss"] != first["heldout_loss_first"]
 
 
 def test_simulated_replicas_allreduce_equals_one_replica_on_the_same_global_batch(tmp_path):
