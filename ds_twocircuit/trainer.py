@@ -183,16 +183,67 @@ class CheckpointManager:
             set_aside()
         self.world.barrier()
 
-    def save(self) -> None:
-        """Write and commit a checkpoint, then prune to the newest ``--keep-checkpoints``."""
+    def save(self, run: "RunTotals | None" = None, launch_tokens: int = 0) -> None:
+        """Write and commit a checkpoint (with the whole run's traffic so far, ``run_totals.json``),
+        then prune to the newest ``--keep-checkpoints``."""
         from .faults import committed_checkpoints, prune
         self.progress.phase = f"while writing the checkpoint of step {self.engine.global_steps}"
-        self.engine.save_checkpoint(self.dir, self.plan.fault)
+        tag = self.engine.save_checkpoint(self.dir, self.plan.fault)
+        if run is not None:
+            run.write(tag, self.engine.global_steps, launch_tokens, wire.totals())
         self.progress.phase = None
         self.progress.committed_steps.append(self.engine.global_steps)
         if os.environ.get("LOCAL_RANK", "0") == "0":       # one pruner per node (shared or local disk)
             seen = {s for s, _ in committed_checkpoints(self.dir)} | set(self.progress.committed_steps)
             prune(self.dir, self.policy.keep, sorted(seen))
+
+
+class RunTotals:
+    """The whole run's tokens and traffic across resumes. Each checkpoint carries the mesh's totals up
+    to its step (``run_totals.json`` in its folder, written by rank 0 after summing every rank's
+    counters); a resumed launch adds its own, so ``summary.json``'s ``run`` counts every byte since
+    step 0 while ``wire_bytes`` and ``tokens`` stay this launch's. Unknown (``None``) for a resume
+    from a checkpoint without the file (written before it existed, or lost with its node)."""
+
+    FILE = "run_totals.json"
+
+    def __init__(self, world):
+        self.world = world
+        self.prior = {"steps": 0, "tokens": 0, "wire_bytes": {}}   # what the launches before this one did
+        self.known = True
+
+    def load(self, resume: str, start_step: int) -> None:
+        """Rank 0 reads the resumed checkpoint's totals (a tag folder, or the checkpoint folder)."""
+        if self.world.rank != 0:
+            return
+        for path in (os.path.join(resume, self.FILE), os.path.join(resume, f"global_step{start_step}", self.FILE)):
+            if os.path.isfile(path):
+                with open(path) as f:
+                    prior = json.load(f)
+                if prior.get("steps") == start_step:
+                    self.prior = prior
+                    return
+        self.known = False
+
+    def _add(self, steps: int, launch_tokens: int, mesh: dict) -> dict:
+        wb = {k: int(self.prior["wire_bytes"].get(k, 0)) + int(mesh.get(k, 0)) for k in wire.KINDS}
+        return {"steps": steps, "tokens": int(self.prior["tokens"]) + int(launch_tokens), "wire_bytes": wb}
+
+    def write(self, tag: str, steps: int, launch_tokens: int, local: dict) -> None:
+        """At a checkpoint (every rank: the counters are summed over the mesh)."""
+        mesh = self.world.sum(local)
+        if self.world.rank == 0 and self.known:
+            from .files import atomic_write_text
+            atomic_write_text(os.path.join(tag, self.FILE), json.dumps(self._add(steps, launch_tokens, mesh)))
+
+    def summary(self, steps: int, launch_tokens: int, mesh: dict) -> dict | None:
+        """``summary.json``'s ``run``: the whole run's tokens, bytes by kind and training bytes per token."""
+        if not self.known:
+            return None
+        run = self._add(steps, launch_tokens, mesh)
+        run["wire_bytes"].pop("pp_eval")
+        run["bytes_per_token"] = round(sum(run["wire_bytes"][k] for k in wire.TRAINING_KINDS) / max(run["tokens"], 1), 3)
+        return run
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -320,10 +371,12 @@ class Trainer:
         ckpts = CheckpointManager(plan, engine, self.world, self.progress)
         start_step = 0
         resume = ckpts.resume_path() if args.resume else None
+        self.run_totals = RunTotals(self.world)
         if not resume:
             ckpts.set_aside_old()
         else:
             start_step = engine.load_checkpoint(resume)
+            self.run_totals.load(resume, start_step)
             if start_step >= args.steps:
                 raise ConfigError(f"--resume: the checkpoint is at step {start_step}, nothing to do for "
                                   f"--steps {args.steps}")
@@ -364,7 +417,7 @@ class Trainer:
                                     f"{slowest:.1f} s/step) to {ckpts.dir}, keeping {policy.keep}")
             self.progress.step_now = step + 1
             if policy.due(step + 1, args.steps):
-                ckpts.save()
+                ckpts.save(self.run_totals, log.tokens_per_step * (step + 1 - start_step))
             if self.evaluating and eval_every and (step + 1) % eval_every == 0 and step + 1 < args.steps:
                 self.evaluate(step + 1)
         log.close()
@@ -372,7 +425,7 @@ class Trainer:
 
         if args.save_checkpoint or args.save_interval:
             # before the final DP flush: a run resumed from here continues exactly like this one would
-            ckpts.save()
+            ckpts.save(self.run_totals, log.tokens_per_step * (args.steps - start_step))
         return self.finish(log, link, wall, start_step)
 
     def finish(self, log, link, wall: float, start_step: int) -> dict | None:
@@ -448,6 +501,8 @@ class Trainer:
             "kept_channels": engine.codec.keep(max(engine.global_steps - 1, 0), plan.spec.hidden),
             "hidden_size": plan.spec.hidden,
             "wire_bytes": wire_bytes,
+            # the whole run since step 0 (this launch and the ones it resumed from; None: unknown)
+            "run": self.run_totals.summary(args.steps, tokens, totals),
             # training traffic only: the export is a one-off at the end, shown under wire_bytes.export
             "bytes_per_token": round(sum(wire_bytes[k] for k in wire.TRAINING_KINDS) / tokens, 3),
             "eval_wire_bytes": totals["pp_eval"],

@@ -108,12 +108,17 @@ def train_argv(args, config: str, seed: int, data: str, out: str) -> list[str]:
 
 def row_of(summary: dict, label: str, config: str, overrides: list[str], command: str) -> dict:
     """One row of the study from a run's ``summary.json``."""
-    wb = summary["wire_bytes"]
-    # the whole run's length (a resumed run's summary counts the steps since its resume; its bytes too,
-    # so they are per token of that part)
+    # the whole run: a resumed launch's ``wire_bytes`` and ``tokens`` count the steps since its resume;
+    # ``run`` (carried by its checkpoints) counts everything since step 0. Without it (a checkpoint
+    # written before it existed) the bytes are per token of the resumed part, as the row says.
+    run = summary.get("run")
     steps = summary["first_step"] + summary["steps"]
-    tokens_run = summary["tokens"]
-    tokens = tokens_run // summary["steps"] * steps
+    if run is not None:
+        wb, tokens_run = run["wire_bytes"], run["tokens"]
+        tokens = tokens_run
+    else:
+        wb, tokens_run = summary["wire_bytes"], summary["tokens"]
+        tokens = tokens_run // summary["steps"] * steps
     hidden, links = summary["hidden_size"], summary["mesh"]["pp"] - 1
     pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"]
     per_token = pp / (2 * tokens_run * links) if links else 0.0   # per boundary, per direction, state included
@@ -126,7 +131,10 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
     return {
         "label": label, "config": config, "overrides": overrides, "seed": summary["config"]["seed"],
         "domain": summary["data"]["spec"], "data_fingerprint": summary["data"]["fingerprint"],
-        "steps": steps, "first_step": summary["first_step"], "tokens": tokens, "dp": summary["mesh"]["dp"],
+        "steps": steps, "first_step": summary["first_step"], "tokens": tokens,
+        "bytes_over": "the whole run" if run is not None or not summary["first_step"] else
+                      f"steps {summary['first_step']}-{steps} (resumed; earlier launches' bytes unknown)",
+        "dp": summary["mesh"]["dp"],
         "pp": summary["mesh"]["pp"],
         "micro_batch_size": summary["config"].get("micro_batch_size"),
         "gradient_accumulation_steps": summary["config"].get("gradient_accumulation_steps"),

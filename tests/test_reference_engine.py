@@ -105,7 +105,7 @@ def test_resume_is_bit_exact(tmp_path, backend):
     if backend == "streaming_diloco_quant":   # 2-bit pseudo-gradients: residuals and an all-gather in flight at the save
         dp = {"backend": "streaming_diloco", "inner_steps": 2, "num_fragments": 2, "compression": "quant",
               "quant": {"bits": 2, "block": 16}}
-    cfg = _config(tmp_path, dp=dp)
+    cfg = _config(tmp_path, dp=dp, codec={**LOWRANK, "refresh_steps": [0, 3]})   # a refit after the resume too
     extra = ["--dp", "2"]
     full, full_loss, full_out = _run(tmp_path, cfg, "full", steps=4, extra=extra)
     _run(tmp_path, cfg, "part", steps=2, extra=[*extra, "--save-checkpoint"])
@@ -117,6 +117,13 @@ def test_resume_is_bit_exact(tmp_path, backend):
     assert [p["step"] for p in part["heldout_curve"]] == [0, 4]
     assert part["heldout_curve"][0] == full["heldout_curve"][0] and part["heldout_curve"][-1] == full["heldout_curve"][-1]
     assert (part["heldout_loss_first"], part["heldout_loss_first_se"]) == (full["heldout_loss_first"], full["heldout_loss_first_se"])
+    # the resumed launch counts its own tokens and bytes; "run" counts the whole run's, as the
+    # uninterrupted run does (codec state, the DP sync and its end-of-run flush included)
+    from ds_twocircuit.wire import TRAINING_KINDS
+    assert part["tokens"] == full["tokens"] // 2 and part["run"]["tokens"] == full["tokens"] == full["run"]["tokens"]
+    assert {k: part["run"]["wire_bytes"][k] for k in TRAINING_KINDS} == {k: full["wire_bytes"][k] for k in TRAINING_KINDS}
+    assert part["run"]["wire_bytes"]["pp_codec_state"] > part["wire_bytes"]["pp_codec_state"] > 0   # refits at steps 0 and 3
+    assert part["run"]["bytes_per_token"] == full["bytes_per_token"] and part["run"]["steps"] == 4
     wa, wb = read_weights(os.path.join(full_out, "hf")), read_weights(os.path.join(part_out, "hf"))
     assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert full["dp_replicas_identical"] is True
@@ -129,10 +136,12 @@ def test_a_resume_scoring_other_windows_scores_the_resumed_weights(tmp_path):
     cfg = _config(tmp_path)
     _run(tmp_path, cfg, "part", steps=2, extra=["--save-checkpoint"])
     first = read_summary(str(tmp_path / "part"))
+    os.remove(os.path.join(str(tmp_path / "part"), "checkpoint", "global_step2", "run_totals.json"))
     part, _, _ = _run(tmp_path, cfg, "part", steps=3, extra=["--resume", "auto", "--eval-sequences", "8"])
     assert [p["step"] for p in part["heldout_curve"]] == [0, 2, 3]
     assert [p["sequences"] for p in part["heldout_curve"]] == [4, 8, 8]
     assert part["heldout_loss_first"] == part["heldout_curve"][1]["loss"] != first["heldout_loss_first"]
+    assert part["run"] is None     # its checkpoint had no run totals (as one written before they existed)
 
 
 def test_simulated_replicas_allreduce_equals_one_replica_on_the_same_global_batch(tmp_path):

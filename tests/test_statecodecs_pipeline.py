@@ -135,6 +135,13 @@ def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
     assert a["heldout_loss"] != a["heldout_loss_masked"]
     ca, cr = a["heldout_curve"], r["heldout_curve"]
     assert [c["step"] for c in ca] == [c["step"] for c in cr] == [0, 2, 4]
+    # the whole run's bytes, summed over the three ranks at the checkpoint and added to the resumed
+    # launch's: the uninterrupted run's (a launch's one-off shape handshake apart)
+    from ds_twocircuit.wire import TRAINING_KINDS
+    kinds = [k for k in TRAINING_KINDS if k != "pp_handshake"]
+    assert b["run"]["tokens"] == a["tokens"] == 2 * b["tokens"]
+    assert {k: b["run"]["wire_bytes"][k] for k in kinds} == {k: a["wire_bytes"][k] for k in kinds}
+    assert b["run"]["wire_bytes"]["pp_codec_state"] > b["wire_bytes"]["pp_codec_state"] > 0
     for x, y in zip(ca, cr):      # the evaluations between training steps too
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-4)
         assert x["loss_coded"] == pytest.approx(y["loss_coded"], abs=1e-4)
