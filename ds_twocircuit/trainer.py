@@ -299,12 +299,14 @@ class Trainer:
         se = statistics.stdev(losses) / math.sqrt(len(losses)) if len(losses) > 1 else None
         return statistics.fmean(losses), se, calls * per_call
 
-    def evaluate(self, step: int, key: str | None = None) -> dict:
+    def evaluate(self, step: int, key: str | None = None, after_final_sync: bool = False) -> dict:
         """Score the held-out windows dense (and through the codec unless the boundaries are dense);
         record the point on the curve and, with ``key``, as ``key`` / ``key_masked`` (+ ``_se``)."""
         point = {"step": step}
         point["loss"], point["se"], self.scored = self.held_out(coded=False)
-        point["sequences"] = self.scored
+        point["sequences"], point["seq_len"], point["data"] = self.scored, self.args.seq_len, self.plan.data_fingerprint
+        if after_final_sync:    # the replicas' end-of-run average, not the weights a checkpoint holds
+            point["after_final_sync"] = True
         if not self.engine.codec.identity:
             point["loss_coded"], point["se_coded"], _ = self.held_out(coded=True)
         self.curve.append(point)
@@ -319,8 +321,9 @@ class Trainer:
         return point
 
     def _restore_curve(self, start_step: int) -> None:
-        """The held-out points a resumed run already has (before ``start_step``, from
-        ``heldout.jsonl``); a fresh run starts the file anew."""
+        """The held-out points a resumed run already has (up to ``start_step``, from
+        ``heldout.jsonl``); a fresh run starts the file anew. Whether the score of ``start_step`` itself
+        is kept is decided by :meth:`_start_score` (then the file is rewritten)."""
         path = os.path.join(self.plan.output_dir, "heldout.jsonl")
         kept = []
         if start_step > 0 and os.path.isfile(path):
@@ -330,25 +333,38 @@ class Trainer:
                         point = json.loads(line)
                     except ValueError:
                         break                        # a line cut short by a crash
-                    if point.get("step", start_step) < start_step:
+                    if point.get("step", start_step + 1) <= start_step:
                         kept.append(point)
         self.curve = kept
+
+    def _start_score(self, start_step: int) -> None:
+        """The held-out score at the start of a launch: a fresh run scores the base model; a resumed one
+        reuses the folder's (see :meth:`_first_from_curve`) and keeps an earlier launch's score of
+        ``start_step`` where that scored the checkpoint's weights (not the end-of-run average of
+        drifted DiLoCo replicas), else scores the resumed weights. Rewrites ``heldout.jsonl``."""
+        reuse = self.evaluating and self._first_from_curve(start_step)
+        self.curve = [p for p in self.curve if p["step"] < start_step
+                      or (reuse and not p.get("after_final_sync"))]
         if self.is_rank0:
             from .files import atomic_write_text
-            atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in kept))
+            atomic_write_text(os.path.join(self.plan.output_dir, "heldout.jsonl"),
+                              "".join(json.dumps(p) + "\n" for p in self.curve))
+        if self.evaluating and not reuse:
+            self.evaluate(start_step, "heldout_loss_first")
 
     def _first_from_curve(self, start_step: int) -> bool:
         """A resumed run whose output folder already holds the score of step 0 (``heldout.jsonl``)
         reports that as ``heldout_loss_first`` (the model before training, the same windows) instead
         of scoring the resumed weights again: every resume of a long study would otherwise redo an
-        evaluation (minutes) that adds nothing the curve's next point does not. Only a point scored on
-        as many windows as this run scores (else the resumed weights are scored, as before). Rank 0's
+        evaluation (minutes). Only a point scored on as many windows of the same length of the same
+        data as this run scores (else the resumed weights are scored, as before). Rank 0's
         folder decides for every rank (an evaluation runs on all of them; another node may not share
         the folder)."""
         first = (next((p for p in self.curve if p.get("step") == 0), None)
                  if start_step > 0 and self.is_rank0 else None)
         calls, per_call = self._eval_calls()
-        ok = first is not None and first.get("sequences") == calls * per_call
+        ok = first is not None and (first.get("sequences"), first.get("seq_len"), first.get("data")) == \
+            (calls * per_call, self.args.seq_len, self.plan.data_fingerprint)
         if not self.world.max(1.0 if ok else 0.0):
             return False
         if not self.is_rank0:
@@ -383,8 +399,7 @@ class Trainer:
         engine.set_train_data(self.train_seqs, start_step)
         self._restore_curve(start_step)
         link = engine.anchor_link(self.world) if self.tc.anchor.enabled else None
-        if self.evaluating and not self._first_from_curve(start_step):
-            self.evaluate(start_step, "heldout_loss_first")
+        self._start_score(start_step)
 
         log = StepLog(plan, engine, link, self.is_rank0, start_step)
         policy = plan.ckpt_policy
@@ -432,14 +447,15 @@ class Trainer:
         plan, args, engine = self.plan, self.args, self.engine
         self.progress.phase = "after the last step (final sync, evaluation or saving the model)"
         dp_before_final = wire.totals()["dp"]
-        if engine.finalize():  # finish in-flight DiLoCo syncs; average the drifted fragments once
+        averaged = engine.finalize()
+        if averaged:  # finish in-flight DiLoCo syncs; average the drifted fragments once
             log0(self.is_rank0, f"{self.tc.dp.backend}: in-flight syncs finished and drifted weights averaged "
                                 "once (the saved model is the replicas' average)")
         dp_final_local = wire.totals()["dp"] - dp_before_final
         replicas_identical = engine.replicas_identical()
         anchor_stats = link.finish() if link is not None else None
         if self.evaluating:
-            self.evaluate(args.steps, "heldout_loss")
+            self.evaluate(args.steps, "heldout_loss", after_final_sync=bool(averaged))
 
         # the model first: whatever its export sends is counted (each stage writes its own shard)
         folder = None if args.no_save_model else engine.export_hf(os.path.join(plan.output_dir, "hf"), self.world)

@@ -115,8 +115,8 @@ def test_a_study_cut_short_resumes_and_its_row_is_the_whole_run(tmp_path, keep):
     bq.run(args)
     row = json.loads(results.read_text().splitlines()[-1])
     assert row["steps"] == 2 and row["first_step"] == 1 and row["tokens"] == 2 * 2 * 4 * 32
-    # the whole run's held-out curve (the resume reuses step 0's score, and scores nothing at step 1)
-    assert [c["step"] for c in row["curve"]] == [0, 2]
+    # the whole run's held-out curve (the resume reuses the first launch's scores of steps 0 and 1)
+    assert [c["step"] for c in row["curve"]] == [0, 1, 2]
     # and its bytes: the checkpoint carried the first launch's (the dense boundary, fp32 each way)
     assert row["bytes_over"] == "the whole run" and row["pp_bytes_per_token"] == 64 * 4
     assert os.path.isdir(os.path.join(out, "checkpoint", "global_step1")) is keep

@@ -135,6 +135,7 @@ def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):
     assert a["heldout_loss"] != a["heldout_loss_masked"]
     ca, cr = a["heldout_curve"], r["heldout_curve"]
     assert [c["step"] for c in ca] == [c["step"] for c in cr] == [0, 2, 4]
+    assert b["heldout_curve"] == ca      # the resumed run's: its first launch's scores of steps 0 and 2 kept
     # the whole run's bytes, summed over the three ranks at the checkpoint and added to the resumed
     # launch's: the uninterrupted run's (a launch's one-off shape handshake apart)
     from ds_twocircuit.wire import TRAINING_KINDS

@@ -18,7 +18,7 @@ What the trainer asks of an engine (both implement exactly this)::
     eval_losses(seqs, calls, dense, bar) -> list[float]   held-out loss of each global batch
     keep_fraction(step, hidden), lr()
     anchor_link(world)        the anchor circuit's link (publish, poll, step_stats, finish) or None
-    save_checkpoint(dir, fault) / load_checkpoint(path) -> step
+    save_checkpoint(dir, fault) -> tag folder / load_checkpoint(path) -> step
     finalize() -> bool        end of training: finish DP syncs, average drifted replicas once
     replicas_identical() -> bool | None
     parameter_counts() -> (trainable, total)   this process's share (summed over the world)
