@@ -11,11 +11,15 @@ through the codec (how the mesh serves it), at the start, every ``--eval-every``
     python launch/bench_quality.py --configs dense,lowrank --seeds 0,1,2 --steps 250 --data sympy
     python launch/bench_quality.py --configs lowrank --set twocircuit.codec.groups='[[112,4]]' --seeds 0
     python launch/bench_quality.py --report     # docs/benchmarks/quality.{json,md,png} from the rows
+    python launch/bench_quality.py --configs dense,lowrank20 --steps 20 --eval-sequences 0 --seeds 1 ...
+                                                # a screen: the paired training-loss gap only
 
 Each run appends one row to ``--results`` (JSON lines) as soon as it ends; ``--report`` builds the
 table: per config (and overrides) and domain, the mean over seeds, the seed-to-seed spread, the
 standard error of one held-out loss, and the paired per-seed differences with the baseline config
-(dense boundaries, all-reduce) on the same seeds.
+(dense boundaries, all-reduce) on the same seeds. Every row also keeps the run's per-step training
+losses: the report pairs them step by step with the baseline's on the same seed (the same batches),
+a screen that needs no held-out evaluation (``--eval-sequences 0``: such rows appear only there).
 """
 from __future__ import annotations
 
@@ -199,14 +203,56 @@ def run(args) -> None:
                 cmd = "python launch/train.py " + " ".join(shlex.quote(a) for a in argv)
                 row = row_of(summary, label, _rel(config), args.overrides, cmd)
                 row["study_command"] = base_cmd
+                row["train_losses"] = train_losses(out)
                 os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
                 with open(args.results, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 if not args.keep_checkpoints:   # the row is written: the run is done
                     shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
-                print(f"[bench_quality] {label} {data} seed {seed}: held-out {row['heldout_loss']:.4f} "
+                held = "-" if row["heldout_loss"] is None else f"{row['heldout_loss']:.4f}"
+                print(f"[bench_quality] {label} {data} seed {seed}: held-out {held} "
                       f"(coded {row['heldout_loss_coded']}), {row['pp_bytes_per_token']} bytes/token/direction",
                       flush=True)
+
+
+def train_losses(out: str) -> list[float]:
+    """The run's training loss at every step since step 0 (``metrics.jsonl`` survives a resume; a
+    step redone after a crash counts once, its last record)."""
+    by_step = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                m = json.loads(line)
+                by_step[m["step"]] = m["loss"]
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def train_gaps(rows: list[dict], baseline: str) -> list[dict]:
+    """Per (label, domain, steps): the training loss minus the baseline's at the same step of the same
+    seed (the same batches; through the codec, as the run trains), over steps 1 .. end (at step 0
+    both train the same weights: with ``reference: base`` the gap is exactly 0 there). ``mean``: over every seed's steps; ``se``: the per-step gaps' spread over the square
+    root of their count (steps are treated as independent); ``per_seed``: each seed's mean."""
+    import statistics
+    base = {(r["domain"], r["seed"], r["steps"]): r for r in rows if r["label"] == baseline and r.get("train_losses")}
+    groups: dict = {}
+    for r in rows:
+        if r["label"] != baseline and r.get("train_losses") and (r["domain"], r["seed"], r["steps"]) in base:
+            groups.setdefault((r["label"], r["domain"], r["steps"]), []).append(r)
+    out = []
+    for (label, domain, steps), rs in sorted(groups.items()):
+        per_seed, gaps = {}, []
+        for r in sorted(rs, key=lambda r: r["seed"]):
+            b = base[(domain, r["seed"], steps)]["train_losses"]
+            if len(b) != len(r["train_losses"]):
+                continue
+            g = [v - w for v, w in zip(r["train_losses"][1:], b[1:])]
+            per_seed[r["seed"]] = statistics.fmean(g)
+            gaps += g
+        if len(gaps) > 1:
+            out.append({"label": label, "domain": domain, "steps": steps, "seeds": sorted(per_seed),
+                        "mean": statistics.fmean(gaps), "se": statistics.stdev(gaps) / len(gaps) ** 0.5,
+                        "per_seed": per_seed})
+    return out
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -307,16 +353,19 @@ def report(args) -> dict:
     from benchnotes import write_section  # launch/, next to this script
     rows = load_rows(args.results)
     add_dp_ratios(rows, args.baseline)
+    gaps = train_gaps(rows, args.baseline)
+    all_rows, rows = rows, [r for r in rows if r.get("heldout_loss") is not None]   # screens: gaps only
     summary = summarise(rows, args.baseline)
     base = os.path.splitext(args.results)[0]
     out = {"benchmark": os.path.basename(base), "protocol": "launch/train.py --engine reference on each config: the Trainer, "
            "the config's codec at the pp-stage boundaries, its DP backend and anchor in-process; fp32; the "
            "same seeds, data order, token count and held-out windows for every config",
-           "rows": rows, "summary": summary, "baseline": args.baseline,
+           "rows": all_rows, "summary": summary, "baseline": args.baseline,
            "recommended": recommend(summary, args.baseline, args.min_ratio_bf16, args.within, args.min_dp_ratio,
                                     args.min_seeds),
            "recommended_if": {"min_ratio_bf16": args.min_ratio_bf16, "min_dp_ratio": args.min_dp_ratio,
                               "within": args.within, "min_seeds": args.min_seeds},
+           "train_loss_gaps": gaps,
            "commands": sorted({r["study_command"] for r in rows if r.get("study_command")})}
     with open(base + ".json", "w") as f:
         json.dump(out, f, indent=2)
@@ -341,8 +390,18 @@ def report(args) -> dict:
               + ", ".join(f"{d} {b:.3f}" for d, b in bases) + f". Recommended: `{out['recommended']}`.",
               "SE: the largest standard error of one held-out loss among the seeds; spread: the seed-to-seed "
               "range. A difference is a finding only where the paired differences agree in sign and exceed both.", ""]
+    if gaps:
+        lines += [f"Training loss minus `{args.baseline}`'s at the same step and seed (through the codec, as it "
+                  "trains; steps 1 to the end; SE: the per-step gaps' spread over the square root of their count):",
+                  "", "| config | domain | steps | seeds | gap (mean) | SE | per seed |", "|---|---|---|---|---|---|---|"]
+        for g in gaps:
+            lines.append(f"| `{g['label']}` | {g['domain']} | {g['steps']} | {','.join(map(str, g['seeds']))} "
+                         f"| {g['mean']:+.4f} | {g['se']:.4f} | "
+                         + ", ".join(f"{v:+.4f}" for _, v in sorted(g["per_seed"].items())) + " |")
+        lines.append("")
     write_section(base + ".md", TABLE_BEGIN, TABLE_END, lines, args.title)
-    _plot(rows, base + ".png", args.baseline)
+    if rows:
+        _plot(rows, base + ".png", args.baseline)
     print("\n".join(lines))
     return out
 

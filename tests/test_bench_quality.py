@@ -60,6 +60,31 @@ def test_rows_come_from_the_trainer_on_the_config_files(tmp_path):
     assert "| `dense` | deepspeed-cpp | 0,1 |" in table and (tmp_path / "q.png").exists()
 
 
+def test_a_screen_pairs_the_training_losses_step_by_step(tmp_path):
+    """--eval-sequences 0: rows without a held-out score; the report pairs each step's training loss
+    with the baseline's on the same seed (steps 1 on) and lists only that, with its standard error."""
+    import statistics
+    results = tmp_path / "s.jsonl"
+    common = ["--model", "tiny", "--data", "deepspeed-cpp", "--seq-len", "32", "--steps", "4", "--eval-sequences", "0",
+              "--results", str(results), "--work-dir", str(tmp_path / "runs"), "--seeds", "0,1"]
+    bq.main(["--configs", "dense", *common])
+    bq.main(["--configs", "lowrank", "--set", "twocircuit.codec.groups=[[8,4]]", "--label", "lr8", *common])
+    rows = {(r["label"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())}
+    assert all(r["heldout_loss"] is None and len(r["train_losses"]) == 4 for r in rows.values())
+    for (label, seed), r in rows.items():       # the run's own per-step record
+        metrics = [json.loads(line)["loss"] for line in open(os.path.join(
+            ROOT, r["command"].split("--output-dir ")[1].split()[0], "metrics.jsonl"))]
+        assert r["train_losses"] == metrics
+    out = bq.report(bq.parse(["--report", "--results", str(results)]))
+    assert out["summary"] == [] and len(out["rows"]) == 4
+    gaps = [(rows[("lr8", s)]["train_losses"][t] - rows[("dense", s)]["train_losses"][t]) for s in (0, 1) for t in (1, 2, 3)]
+    (g,) = out["train_loss_gaps"]
+    assert g["label"] == "lr8" and g["seeds"] == [0, 1] and g["steps"] == 4
+    assert g["mean"] == pytest.approx(statistics.fmean(gaps)) and g["se"] == pytest.approx(statistics.stdev(gaps) / 6 ** 0.5)
+    assert g["per_seed"] == pytest.approx({0: statistics.fmean(gaps[:3]), 1: statistics.fmean(gaps[3:])})
+    assert f"| `lr8` | deepspeed-cpp | 4 | 0,1 | {g['mean']:+.4f} |" in (tmp_path / "s.md").read_text()
+
+
 def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     def row(label, seed, loss, ratio_bf16, domain="sympy"):
         return {"label": label, "config": f"ds_configs/{label}.json", "overrides": [], "seed": seed,
