@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None,
                    help="'auto' (the newest committed checkpoint in <output_dir>/checkpoint, or a fresh "
                         "start if there is none) or a checkpoint folder. Under torchrun restarts "
-                        "(--max-restarts) 'auto' is implied")
+                        "(--max-restarts) 'auto' is implied. A resumed run reuses its folder's held-out "
+                        "score of step 0 (on the same windows) instead of scoring again, and summary.json's "
+                        "'run' counts the whole run's tokens and bytes since step 0")
     p.add_argument("--peer-timeout", type=float, default=300.0,
                    help="seconds a rank waits for a silent peer (hung process, black-holed link) before "
                         "it stops with a diagnosis (default 300)")

@@ -216,22 +216,18 @@ def run(args) -> None:
 
 
 def train_losses(out: str) -> list[float]:
-    """The run's training loss at every step since step 0 (``metrics.jsonl`` survives a resume; a
-    step redone after a crash counts once, its last record)."""
-    by_step = {}
+    """The run's training loss at every step since step 0 (the Trainer keeps ``metrics.jsonl`` across
+    a resume, each step once)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            if line.strip():
-                m = json.loads(line)
-                by_step[m["step"]] = m["loss"]
-    return [by_step[k] for k in sorted(by_step)]
+        return [json.loads(line)["loss"] for line in f if line.strip()]
 
 
 def train_gaps(rows: list[dict], baseline: str) -> list[dict]:
     """Per (label, domain, steps): the training loss minus the baseline's at the same step of the same
     seed (the same batches; through the codec, as the run trains), over steps 1 .. end (at step 0
-    both train the same weights: with ``reference: base`` the gap is exactly 0 there). ``mean``: over every seed's steps; ``se``: the per-step gaps' spread over the square
-    root of their count (steps are treated as independent); ``per_seed``: each seed's mean."""
+    both train the same weights: with ``reference: base`` the gap is exactly 0 there). ``mean``: over
+    every seed's steps; ``se``: the per-step gaps' spread over the square root of their count (steps
+    are treated as independent); ``per_seed``: each seed's mean."""
     import statistics
     base = {(r["domain"], r["seed"], r["steps"]): r for r in rows if r["label"] == baseline and r.get("train_losses")}
     groups: dict = {}
@@ -366,7 +362,7 @@ def report(args) -> dict:
            "recommended_if": {"min_ratio_bf16": args.min_ratio_bf16, "min_dp_ratio": args.min_dp_ratio,
                               "within": args.within, "min_seeds": args.min_seeds},
            "train_loss_gaps": gaps,
-           "commands": sorted({r["study_command"] for r in rows if r.get("study_command")})}
+           "commands": sorted({r["study_command"] for r in all_rows if r.get("study_command")})}
     with open(base + ".json", "w") as f:
         json.dump(out, f, indent=2)
 
