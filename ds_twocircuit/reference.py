@@ -43,10 +43,13 @@ class _CodecLink(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         send, recv = ctx.pair
+        n_state = recv.grad_state_tensor_count(ctx.msg)
         bufs = [b.clone() for b in recv.pack_gradient(g.contiguous(), ctx.msg)]
         recv.forget(ctx.msg)
         if ctx.count:
-            wire.count("pp_gradients", sum(map(wire.tensor_bytes, bufs)))
+            if n_state:
+                wire.count("pp_grad_state", sum(map(wire.tensor_bytes, bufs[:n_state])))
+            wire.count("pp_gradients", sum(map(wire.tensor_bytes, bufs[n_state:])))
         out = send.unpack_gradient(bufs, ctx.msg, g.dtype)
         send.forget(ctx.msg)
         return out, None, None, None, None

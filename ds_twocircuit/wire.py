@@ -6,6 +6,9 @@ a snapshot and the trainer sums the snapshots of all ranks at the end of a run.
 
 Kinds used by the project:
   pp_activations, pp_gradients  -- pipeline boundary payloads (values, plus indices for Top-K)
+  pp_codec_state                -- a stateful codec's state shipped with the activations (basis, mean)
+  pp_grad_state                 -- state a codec's receiver sends back with the gradients (the
+                                   lowrank codec's gradient metric)
   pp_handshake                  -- DeepSpeed's dense shape/dtype meta messages
   pp_tied                       -- tied-embedding gradient all-reduce between first/last stage
   pp_eval                       -- boundary traffic of evaluation passes (not training traffic)
@@ -24,9 +27,10 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "pp_eval", "dp", "anchor",
+KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "pp_eval", "dp",
+         "anchor",
          "export", "catch_up")
-TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_handshake", "pp_tied", "dp", "anchor")
+TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "dp", "anchor")
 
 _lock = threading.Lock()
 _bytes: dict[str, int] = defaultdict(int)

@@ -124,11 +124,12 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
         wb, tokens_run = summary["wire_bytes"], summary["tokens"]
         tokens = tokens_run // summary["steps"] * steps
     hidden, links = summary["hidden_size"], summary["mesh"]["pp"] - 1
-    pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"]
+    back_state = wb.get("pp_grad_state", 0)   # state sent back with the gradients (absent in older rows)
+    pp = wb["pp_activations"] + wb["pp_gradients"] + wb["pp_codec_state"] + back_state
     per_token = pp / (2 * tokens_run * links) if links else 0.0   # per boundary, per direction, state included
-    # each direction on its own (a codec may spend differently each way; its state travels forward)
+    # each direction on its own (a codec may spend differently each way), with the state it carries
     fwd = (wb["pp_activations"] + wb["pp_codec_state"]) / (tokens_run * links) if links else 0.0
-    bwd = wb["pp_gradients"] / (tokens_run * links) if links else 0.0
+    bwd = (wb["pp_gradients"] + back_state) / (tokens_run * links) if links else 0.0
     dtype_bytes = 4   # the study trains in fp32 (the reference engine); bf16 users: the _bf16 ratio
     final = summary.get("dp_final_sync_bytes", 0)   # the end-of-run sync that makes replicas agree
     first = summary["heldout_curve"][0] if summary.get("heldout_curve") else {}
@@ -153,7 +154,7 @@ def row_of(summary: dict, label: str, config: str, overrides: list[str], command
         "pp_bytes_per_token_fwd": round(fwd, 3), "pp_bytes_per_token_bwd": round(bwd, 3),
         # the busier direction against a bf16 boundary: the bound a per-direction budget must meet
         "pp_bytes_ratio_bf16_busier": round(hidden * 2 / max(fwd, bwd), 3) if max(fwd, bwd) else None,
-        "pp_codec_state_bytes": wb["pp_codec_state"],
+        "pp_codec_state_bytes": wb["pp_codec_state"], "pp_grad_state_bytes": back_state,
         "dp_bytes": wb["dp"], "anchor_bytes": wb["anchor"], "dp_final_sync_bytes": final,
         "bytes_per_token_by_kind": {k: round(v / tokens_run, 3) for k, v in sorted(wb.items())},
         "dp_bytes_per_token": round(wb["dp"] / tokens_run, 3),

@@ -212,7 +212,7 @@ def steady_state(summary, mesh, metrics, steps, config):
         wb["anchor"] = anchor_per_step * steps
     tokens = tokens_per_step * steps
     by_kind = {"pp_activations": wb["pp_activations"] / tokens, "pp_gradients": wb["pp_gradients"] / tokens,
-               "codec_state": wb["pp_codec_state"] / tokens, "dp": wb["dp"] / tokens,
+               "codec_state": (wb["pp_codec_state"] + wb.get("pp_grad_state", 0)) / tokens, "dp": wb["dp"] / tokens,
                "anchor": wb["anchor"] / tokens, "other": (wb["pp_handshake"] + wb["pp_tied"]) / tokens}
     links = {}
     for link, nbytes in mesh["kernel_bytes"].items():

@@ -508,6 +508,10 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "reference": "base", "grad_basis": "drift"}, "twocircuit.codec.grad_basis"),
     ({"groups": [[8, 4]], "state_bits": 4}, "twocircuit.codec.state_bits: 4; allowed: 16"),
     ({"groups": [[8, 4]], "state_bits": True}, "twocircuit.codec.state_bits"),
+    ({"groups": [[8, 4]], "metric": "fisher"}, "twocircuit.codec.metric"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_steps": []}, "twocircuit.codec.metric_steps"),
+    ({"groups": [[8, 4]], "metric": "gradient", "reference": "base"},
+     "twocircuit.codec.metric: \"gradient\" needs the gradient on the forward's basis"),
 ])
 def test_lowrank_reference_and_grad_groups_errors_name_the_key(section, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -577,3 +581,186 @@ def test_moments_halflife_weighs_older_steps_down():
 def test_moments_halflife_errors_name_the_key(value):
     with pytest.raises(ConfigError, match=r"twocircuit\.codec\.moments_halflife"):
         TwoCircuitConfig.from_dict({"mode": "lowrank", "codec": {"moments_halflife": value}})
+
+
+def _metric_pair(refresh=(0, 5), state_bits=16, metric_steps=(0,)):
+    cfg = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": list(refresh), "reference": "base",
+           "grad_basis": "forward", "coef_norm": "sqrt_std", "metric": "gradient",
+           "metric_steps": list(metric_steps), "state_bits": state_bits}
+    return build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+
+
+def _metric_roots_by_hand(m):
+    m = m.double()
+    h = m.shape[0]
+    floor = 1e-3 * float(m.diagonal().sum()) / h + 1e-30
+    ev, v = torch.linalg.eigh(m + floor * torch.eye(h, dtype=torch.float64))
+    ev = ev.clamp_min(floor)
+    return (v * ev.sqrt()) @ v.T, (v / ev.sqrt()) @ v.T
+
+
+def test_lowrank_metric_flags_are_a_function_of_step_direction_and_config():
+    """The metric rides on the first gradient message of a metric step, training only; the refresh on
+    the first activation message of a refresh step only; any codec object of the run says the same."""
+    send, recv = _metric_pair(metric_steps=(0, 3))
+    for c in (send, recv):
+        g0 = c.message(1, (4, 64), 0, first_of_step=True, train=True, kind="grad")
+        assert g0.metric and g0.first and not g0.refresh
+        assert c.message(1, (4, 64), 0, first_of_step=True, train=True).refresh
+        assert c.message(1, (4, 64), 3, first_of_step=True, train=True, kind="grad").metric
+        assert not c.message(1, (4, 64), 1, first_of_step=True, train=True, kind="grad").metric
+        assert not c.message(1, (4, 64), 0, first_of_step=False, train=True, kind="grad").metric
+        assert not c.message(1, (4, 64), 0, first_of_step=True, train=False, kind="grad").metric
+    plain = build_codec("lowrank", cfg={"groups": [[8, 4]], "refresh_steps": [0]})
+    assert not plain.message(1, (4, 64), 0, first_of_step=True, train=True, kind="grad").metric
+    assert plain.grad_state_tensor_count(g0) == 0 and send.grad_state_tensor_count(g0) == 1
+
+
+def test_lowrank_metric_crosses_back_counted_and_the_next_step_codes_in_it():
+    """metric "gradient": the receiver sends its dense boundary gradients' second moment back (the upper
+    triangle in bf16, counted as pp_grad_state) on the first gradient message of step 0; the next step's
+    first activation message refits (not a refresh step) in that metric: the sender codes with
+    enc = W^1/2 V, the receiver decodes with the shipped dec = W^-1/2 V, V the principal directions of
+    W^1/2 cov W^1/2; the gradient is the exact one of the coded forward, enc Q(dec^T g)."""
+    from ds_twocircuit import wire
+    torch.manual_seed(21)
+    H, T = 64, 300
+    send, recv = _metric_pair()
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    ref = (torch.randn(T, H) * torch.logspace(0.5, -1, H)) @ q.T + 2.0
+    m0 = send.message(7, (T, H), 0, first_of_step=True, train=True)
+    assert m0.metric and send.state_tensor_count(m0) == recv.state_tensor_count(m0) == 3   # mean, basis, scale
+    xx = ref.clone().requires_grad_()
+    w = torch.randn(T, H) @ torch.diag(torch.logspace(0, -2, H))
+    wire.reset()
+    (_CodecLink.apply(xx, (send, recv), m0, True, ref) * w).sum().backward()
+    tot = wire.totals()
+    assert tot["pp_grad_state"] == H * (H + 1) // 2 * 2 and tot["pp_gradients"] == T * (3 + 2)
+    mm = (w.T @ w / T).to(torch.bfloat16).float()
+    iu = torch.triu_indices(H, H)
+    assert torch.equal(send.metric[iu[0], iu[1]], mm[iu[0], iu[1]]) and torch.equal(send.metric, send.metric.T)
+    assert send.metric_pending and recv.metric_pending and recv.state_bytes_sent == H * (H + 1)
+    # step 0's own gradient still goes back on the basis it was coded with (no metric then)
+    u6 = send.basis[:, :6]
+    p, s = quantize_groups(w @ u6, [(6, 4)])
+    assert torch.equal(xx.grad, dequantize_groups(p, s, [(6, 4)]) @ u6.T) and send.enc is None
+    # step 1, not a refresh step: the first message carries the refit, later ones do not
+    m1 = send.message(8, (T, H), 1, first_of_step=True, train=True)
+    assert not m1.refresh and send.state_tensor_count(m1) == recv.state_tensor_count(m1) == 3
+    x1 = ref + (torch.randn(T, H) * torch.logspace(-1, -3, H)) @ q.T
+    d = x1 - ref   # the drift as the codec forms it
+    bufs = send.pack_activation(x1.clone(), m1, ref=ref)
+    assert not send.metric_pending
+    mom = RunningMoments(True)
+    mom.add(torch.zeros(T, H))   # step 0's drift
+    mom.add(d)
+    wh, wi = _metric_roots_by_hand(send.metric)
+    cw = wh @ mom.covariance() @ wh
+    v = principal_basis(cw, 8)
+    assert torch.allclose(send.enc.double(), wh @ v, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(send.basis.double(), (wi @ v).to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2)
+    y1 = recv.unpack_activation([b.clone() for b in bufs], m1, torch.float32, ref=ref)
+    assert not recv.metric_pending and torch.equal(recv.basis, send.basis)
+    c = (d - send.mean) @ send.enc
+    p, s = quantize_groups(c / send.coef_scale, [(8, 4)])
+    want = ref + send.mean + (dequantize_groups(p, s, [(8, 4)]) * send.coef_scale) @ send.basis.T
+    assert torch.allclose(y1, want, atol=1e-5)
+    m1b = send.message(9, (T, H), 1, first_of_step=False, train=True)
+    assert send.state_tensor_count(m1b) == recv.state_tensor_count(m1b) == 0
+    # the gradient of the coded forward: enc6 Q(dec6^T g)
+    xx = x1.clone().requires_grad_()
+    (_CodecLink.apply(xx, (send, recv), m1b, True, ref) * w).sum().backward()
+    p, s = quantize_groups(w @ send.basis[:, :6], [(6, 4)])
+    assert torch.equal(xx.grad, dequantize_groups(p, s, [(6, 4)]) @ send.enc[:, :6].T)
+
+
+def test_lowrank_metric_keeps_the_drift_the_loss_sees():
+    """The point of the metric: a large drift the gradients do not look at and a small one they do. The
+    plain fit spends its 8 directions on the large one; in the metric the coded boundary keeps the
+    small one, so the first-order loss error sum(g . (y - x)) is far smaller."""
+    torch.manual_seed(22)
+    H, T = 64, 400
+    e = torch.eye(H)
+    loud, quiet = e[:, :8], e[:, 8:16]
+    g = torch.randn(T, 8) @ quiet.T                        # the loss looks along the quiet axes only
+    d = 3.0 * torch.randn(T, 8) @ loud.T + 0.1 * torch.randn(T, 8) @ quiet.T
+    ref = torch.randn(T, H)
+    errs = {}
+    for metric in ("none", "gradient"):
+        cfg = {"groups": [[8, 8]], "refresh_steps": [0], "reference": "base", "grad_basis": "forward",
+               "metric": metric, "metric_steps": [0]}
+        send, recv = build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+        m0 = send.message(1, (T, H), 0, first_of_step=True, train=True)
+        xx = (ref + d).requires_grad_()
+        (_CodecLink.apply(xx, (send, recv), m0, False, ref) * g).sum().backward()
+        m1 = send.message(2, (T, H), 1, first_of_step=True, train=True)
+        y = recv.unpack_activation(send.pack_activation(ref + d, m1, ref=ref), m1, torch.float32, ref=ref)
+        errs[metric] = float(((y - ref - d) * g).sum(1).abs().mean())
+        # without a metric the step-1 message carried nothing new; with one it refit in the metric
+        assert send.state_tensor_count(m1) == 0
+    assert errs["gradient"] < 0.05 * errs["none"], errs
+
+
+def test_lowrank_metric_state_resumes_bit_for_bit():
+    """A resumed sender and receiver hold the metric, the analysis basis and the pending refit: the
+    step after a checkpoint codes the same bytes as the uninterrupted pair."""
+    torch.manual_seed(23)
+    H, T = 64, 120
+    ref = torch.randn(T, H)
+    w = torch.randn(T, H)
+    runs = []
+    for resume in (False, True):
+        send, recv = _metric_pair(state_bits=8)
+        m0 = send.message(1, (T, H), 0, first_of_step=True, train=True)
+        xx = ref.clone().requires_grad_()
+        (_CodecLink.apply(xx, (send, recv), m0, False, ref) * w).sum().backward()
+        if resume:   # checkpoint with the refit pending, then new objects
+            sd, rd = copy.deepcopy(send.state_dict()), copy.deepcopy(recv.state_dict())
+            send, recv = _metric_pair(state_bits=8)
+            send.load_state_dict(sd)
+            recv.load_state_dict(rd)
+        m1 = send.message(2, (T, H), 1, first_of_step=True, train=True)
+        x1 = ref + 0.1 * torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+        bufs = send.pack_activation(x1, m1, ref=ref)
+        y = recv.unpack_activation([b.clone() for b in bufs], m1, torch.float32, ref=ref)
+        runs.append((bufs, y, send.enc))
+    (b0, y0, e0), (b1, y1, e1) = runs
+    assert len(b0) == len(b1) == 6 and all(torch.equal(a, b) for a, b in zip(b0, b1))
+    assert torch.equal(y0, y1) and torch.equal(e0, e1)
+
+
+def test_lowrank_metric_accumulates_the_gradients_since_the_last_one_sent():
+    """metric_steps [1] (the default): the metric that crosses on step 1's first gradient message is the
+    second moment of all of step 0's gradient messages and that one; after the last metric step the
+    receiver keeps no gradient moments, and a resumed receiver sends what the uninterrupted one would."""
+    torch.manual_seed(24)
+    H, T = 32, 40
+    cfg = {"groups": [[4, 4]], "refresh_steps": [0], "reference": "base", "grad_basis": "forward",
+           "metric": "gradient"}
+    assert LowRankConfig(**cfg).metric_steps == [1]
+    gs = [torch.randn(T, H) for _ in range(4)]
+    sent = []
+    for resume in (False, True):
+        send, recv = build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+        ref = torch.randn(T, H)
+        m0 = send.message(1, (T, H), 0, first_of_step=True, train=True)
+        recv.unpack_activation(send.pack_activation(ref, m0, ref=ref), m0, torch.float32, ref=ref)
+        out = []
+        for i, (step, first) in enumerate([(0, True), (0, False), (0, False), (1, True)]):
+            if resume and i == 2:
+                d = copy.deepcopy(recv.state_dict())
+                recv = build_codec("lowrank", cfg=cfg)
+                recv.load_state_dict(d)
+            msg = recv.message(9, (T, H), step, first_of_step=first, train=True, kind="grad")
+            assert recv.grad_state_tensor_count(msg) == (1 if (step, first) == (1, True) else 0)
+            out.append(recv.pack_gradient(gs[i], msg))
+        sent.append(out[-1][0])
+        assert recv.metrics_sent == 1 and recv.grad_moments.n == 0
+        after = recv.message(9, (T, H), 1, first_of_step=False, train=True, kind="grad")
+        recv.pack_gradient(gs[0], after)
+        assert recv.grad_moments.n == 0          # the last metric step is past: nothing kept
+    g = torch.cat(gs).double()
+    m = (g.T @ g / (4 * T)).float()
+    iu = torch.triu_indices(H, H)
+    assert torch.equal(sent[0], m[iu[0], iu[1]].to(torch.bfloat16))
+    assert torch.equal(sent[0], sent[1])

@@ -137,8 +137,8 @@ class MaskedPipelineEngine(PipelineEngine):
         micro = self.dp_rank * self.micro_batches + n
         key = masks.mask_key(self.mask_seed, boundary, self._key_step, micro, int(shape[-1]))
         # stateful codecs: the first activation message of a refresh step carries new state
-        return self.codec_out.message(key, shape, self._key_step % EVAL_STEP_OFFSET,
-                                      first_of_step=n == 0 and kind.startswith("act"), train=not self._evaluating)
+        return self.codec_out.message(key, shape, self._key_step % EVAL_STEP_OFFSET, first_of_step=n == 0,
+                                      train=not self._evaluating, kind="act" if kind.startswith("act") else "grad")
 
     def _begin(self, key_step: int):
         self._key_step = key_step
@@ -264,10 +264,13 @@ class MaskedPipelineEngine(PipelineEngine):
         assert inputs.grad is not None, "boundary input received no gradient"
         msg = self._message("grad_send", self.stage_id - 1, inputs.shape)
         t0 = time.perf_counter()
+        n_state = self.codec_in.grad_state_tensor_count(msg)
         payload = self.codec_in.pack_gradient(inputs.grad, msg)
         self.codec_in.forget(msg)
         self.timing["codec_s"] += time.perf_counter() - t0
-        self._send(payload, self.prev_stage, "pp_gradients")
+        if n_state:  # state sent back (the lowrank codec's gradient metric), counted apart
+            self._send(payload[:n_state], self.prev_stage, "pp_grad_state")
+        self._send(payload[n_state:], self.prev_stage, "pp_gradients")
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id):

@@ -42,6 +42,8 @@ class Message:
     scale: float = 1.0  # 1/(1-p) when rescaling, else 1
     refresh: bool = False  # stateful codecs: this activation message carries new codec state
     train: bool = True     # a training message (stateful codecs measure only these)
+    first: bool = False    # the first training message of its step on this link (either direction)
+    metric: bool = False   # as a gradient message: it carries the receiver's gradient metric back
 
     @property
     def hidden(self) -> int:
@@ -98,15 +100,24 @@ class Codec:
         """Whether the first activation message of training step ``step`` carries new state."""
         return False
 
-    def message(self, key: int, shape, step: int, first_of_step: bool, train: bool) -> Message:
+    def metric_due(self, step: int) -> bool:
+        """Whether the first gradient message of training step ``step`` carries state back."""
+        return False
+
+    def message(self, key: int, shape, step: int, first_of_step: bool, train: bool, kind: str = "act") -> Message:
         """The message both ends build for one boundary tensor (``step``: the training step whose
-        schedule applies; ``first_of_step``: the first activation message of that step on this
-        link, for a stateful codec's refresh)."""
+        schedule applies; ``first_of_step``: the first message of that step on this link in the
+        direction ``kind``, act or grad: a stateful codec's refresh rides on the first activation
+        message of a refresh step, state sent back on the first gradient message of a metric step).
+        A pure function of its arguments and the run's config: any codec object of the run builds
+        the same message."""
         hidden = int(shape[-1])
         keep = self.keep(step, hidden)
+        first = bool(train and first_of_step)
         return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep,
                        scale=self.scale(step, keep, hidden),
-                       refresh=bool(train and first_of_step and self.refresh_due(step)), train=train)
+                       refresh=bool(first and kind == "act" and self.refresh_due(step)), train=train,
+                       first=first, metric=bool(first and self.metric_due(step)))
 
     # ---------------------------------------------------------------- sizes and descriptions
     def payload_bytes(self, hidden: int, element_bytes: int, step: int | None = None) -> tuple[int, int]:
@@ -136,6 +147,11 @@ class Codec:
     # ---------------------------------------------------------------- per-message state
     def state_tensor_count(self, msg: Message) -> int:
         """How many leading tensors of this activation message are codec state."""
+        return 0
+
+    def grad_state_tensor_count(self, msg: Message) -> int:
+        """How many leading tensors of this gradient message are codec state sent back (counted as
+        ``pp_grad_state``)."""
         return 0
 
     def forget(self, msg: Message) -> None:

@@ -24,6 +24,17 @@ without a reference, and no second basis in the state. Until the drift has energ
 of a fine-tune, where ``x == ref``) that basis is fitted on the activations themselves, so the first
 steps train through their leading directions rather than arbitrary ones. The price is compute, not
 bytes: each end runs the base model's stages before the boundary once more, forward only.
+
+``metric: "gradient"``: what the loss sees of the boundary is not its energy. The receiver alone holds
+the dense gradient g of the loss at the boundary; on the first gradient message of each step in
+``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that message's
+included; default: step 0's and step 1's first; its upper triangle in bf16, counted as
+``pp_grad_state``), and the next step's first activation message refits in the metric
+W = M + floor I: V the principal directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V,
+the receiver decodes with dec = W^-1/2 V (the basis shipped; the same state bytes), an oblique
+projection dec enc^T that keeps the drift along the directions the loss reacts to. The gradient goes
+back as enc Q(dec^T g), the exact gradient of that coded forward. Directions the gradients did not
+visit keep the floor's weight (a share of M's mean eigenvalue), so none is dropped outright.
 """
 from __future__ import annotations
 
@@ -41,6 +52,11 @@ STATE_BITS = (16, 8)      # a basis entry on the wire: bf16, or int8 with one bf
 COEF_NORMS = ("none", "sqrt_std")
 REFERENCES = ("none", "base")
 GRAD_BASES = ("activations", "forward")
+METRICS = ("none", "gradient")
+# the gradient metric's floor: a share of its mean eigenvalue added to every direction, so that no
+# direction the receiver's gradients happened not to visit is dropped outright (and its inverse square
+# root stays bounded)
+METRIC_FLOOR = 1e-3
 # the drift counts as zero (fit the forward basis on the activations) below this share of their energy
 DRIFT_FLOOR = 1e-6
 
@@ -57,6 +73,11 @@ class LowRankConfig(RefreshConfig):
     reference: str = "none"         # none | base (code the drift from the base model's activation)
     grad_basis: str = "activations"  # with reference base: activations (a basis of the activations'
                                     # own, shipped) | forward (the drift basis: the exact gradient)
+    metric: str = "none"            # none | gradient (fit the basis in the metric of the receiver's
+                                    # boundary gradients, sent back once: see the module docstring)
+    metric_steps: list = field(default_factory=lambda: [1])  # steps whose first gradient message
+                                    # carries the metric: the receiver's gradients since the previous
+                                    # one (default: all of step 0's and step 1's first message's)
     state_bits: int = 16            # bits of each basis entry a refresh ships: 16 (bf16) | 8 (int8,
                                     # one bf16 scale per direction: about half the state's bytes)
 
@@ -71,6 +92,15 @@ class LowRankConfig(RefreshConfig):
         check_choice(self.coef_norm, COEF_NORMS, f"{p}.coef_norm")
         check_choice(self.reference, REFERENCES, f"{p}.reference")
         check_choice(self.grad_basis, GRAD_BASES, f"{p}.grad_basis")
+        check_choice(self.metric, METRICS, f"{p}.metric")
+        if (not isinstance(self.metric_steps, list) or not self.metric_steps
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.metric_steps)):
+            raise ConfigError(f"{p}.metric_steps must be a non-empty list of step numbers >= 0 (steps whose "
+                              f"first gradient message carries the metric), got {self.metric_steps!r}")
+        if self.metric != "none" and self.reference != "none" and self.grad_basis != "forward":
+            raise ConfigError(f"{p}.metric: \"{self.metric}\" needs the gradient on the forward's basis (the "
+                              f"exact gradient of the coded forward); with reference \"base\" set "
+                              f"grad_basis \"forward\", or metric \"none\"")
         if isinstance(self.state_bits, bool) or self.state_bits not in STATE_BITS:
             raise ConfigError(f"{p}.state_bits: {self.state_bits!r}; allowed: 16 (bf16 basis) or 8 (int8 "
                               f"basis, one bf16 scale per direction)")
@@ -139,6 +169,18 @@ class LowRankCodec(StatefulCodec):
         if cfg.state_bits not in STATE_BITS:
             raise ValueError(f"lowrank codec: state_bits = {cfg.state_bits!r}; allowed: 16, 8")
         self.state_bits = cfg.state_bits
+        if cfg.metric not in METRICS:
+            raise ValueError(f"lowrank codec: metric = {cfg.metric!r}; allowed: {', '.join(METRICS)}")
+        self.metric_on = cfg.metric == "gradient"
+        if self.metric_on and self.own_grad_basis:
+            raise ValueError("lowrank codec: metric \"gradient\" needs grad_basis \"forward\" with a reference")
+        self.metric_steps = frozenset(int(x) for x in cfg.metric_steps)
+        self.metric = None          # the sender's copy of the receiver's gradient metric (H, H), as sent
+        self.enc = None             # the sender's analysis basis with a metric (W^1/2 V); else the basis
+        self.metric_pending = False  # a metric crossed since the last state: the next step refits
+        # the receiver's gradient moments since the last metric sent (until the last metric step)
+        self.grad_moments = RunningMoments(True) if self.metric_on else None
+        self.metrics_sent = 0
         # tensors on the wire per refresh: an 8-bit basis is two (entries, per-direction scales)
         per_basis = 2 if self.state_bits == 8 else 1
         self._n_state_wire = (1 + per_basis + (self.coef_norm != "none")
@@ -151,6 +193,28 @@ class LowRankCodec(StatefulCodec):
         # with a reference: ``moments`` measure the drift x - ref (the activation basis); with a gradient
         # basis of its own, ``moments_x`` the activations themselves (that basis)
         self.moments_x = RunningMoments(True) if self.own_grad_basis else None
+
+    def metric_due(self, step: int) -> bool:
+        return self.metric_on and step in self.metric_steps
+
+    def carries_state(self, msg) -> bool:
+        # a metric that crossed the link is fitted at the next step's first activation message
+        return super().carries_state(msg) or (self.metric_pending and msg.train and msg.first)
+
+    def _metric_msg(self, msg) -> bool:
+        return self.metric_on and msg.metric and msg.train
+
+    def grad_state_tensor_count(self, msg) -> int:
+        return 1 if self._metric_msg(msg) else 0
+
+    def _metric_roots(self, device):
+        """(W^1/2, W^-1/2) of the metric W = M + floor I, float64 on ``device``."""
+        m = self.metric.to(device=device, dtype=torch.float64)
+        h = m.shape[0]
+        floor = METRIC_FLOOR * float(m.diagonal().sum().clamp_min(0)) / h + 1e-30
+        ev, v = torch.linalg.eigh(m + floor * torch.eye(h, dtype=m.dtype, device=device))
+        ev = ev.clamp_min(floor)
+        return (v * ev.sqrt()) @ v.T, (v / ev.sqrt()) @ v.T
 
     @property
     def needs_reference(self) -> bool:
@@ -180,6 +244,8 @@ class LowRankCodec(StatefulCodec):
             d.update(grad_basis="activations" if self.own_grad_basis else "forward")
         if self.state_bits != 16:
             d.update(state_bits=self.state_bits)
+        if self.metric_on:
+            d.update(metric="gradient", metric_steps=sorted(self.metric_steps))
         return d
 
     @staticmethod
@@ -222,6 +288,7 @@ class LowRankCodec(StatefulCodec):
         self.coef_scale = rest.pop(0).float() if self.coef_norm != "none" else None
         self.grad_basis = self._basis_from_wire(rest) if self.own_grad_basis else None
         self.has_state = True
+        self.metric_pending = False
 
     def state_tensor_count(self, msg) -> int:
         return self._n_state_wire if self.carries_state(msg) else 0
@@ -231,6 +298,11 @@ class LowRankCodec(StatefulCodec):
         columns."""
         return self.grad_basis if self.own_grad_basis else self.basis[:, :self.grad_rank]
 
+    def _gbasis_send(self):
+        """The sender's side of the gradient: the analysis basis' leading columns with a metric (the
+        transpose of the coded forward's Jacobian dec enc^T), else the gradient's basis."""
+        return self.enc[:, :self.grad_rank] if self.enc is not None else self._gbasis()
+
     def _running_moments(self) -> list:
         return [self.moments] + ([self.moments_x] if self.moments_x is not None else [])
 
@@ -238,12 +310,21 @@ class LowRankCodec(StatefulCodec):
         d = super().state_dict()
         if self.own_grad_basis:
             d["moments_x"] = self.moments_x.state_dict()
+        if self.metric_on:
+            d.update(metric=self.metric, enc=self.enc, metric_pending=self.metric_pending,
+                     grad_moments=self.grad_moments.state_dict(), metrics_sent=self.metrics_sent)
         return d
 
     def load_state_dict(self, d: dict) -> None:
         super().load_state_dict(d)
         if self.own_grad_basis:
             self.moments_x.load_state_dict(d["moments_x"])
+        if self.metric_on:
+            # a checkpoint written without the metric: none yet (a later metric step sends one)
+            self.metric, self.enc, self.metric_pending = d.get("metric"), d.get("enc"), d.get("metric_pending", False)
+            if "grad_moments" in d:
+                self.grad_moments.load_state_dict(d["grad_moments"])
+            self.metrics_sent = d.get("metrics_sent", 0)
 
     @classmethod
     def merge_states(cls, states: list[dict]) -> dict:
@@ -291,17 +372,27 @@ class LowRankCodec(StatefulCodec):
                 cov_x = self._moments_x(x, msg).covariance()
                 if float(cov.diagonal().sum()) <= DRIFT_FLOOR * float(cov_x.diagonal().sum()):
                     cov = cov_x
-            u = principal_basis(cov, self.rank)
+            if self.metric is not None:
+                # in the receiver's gradient metric W: the principal directions V of W^1/2 cov W^1/2;
+                # the sender codes with enc = W^1/2 V, the receiver decodes with dec = W^-1/2 V (the
+                # basis shipped), an oblique projection dec enc^T that keeps what the loss sees
+                wh, wi = self._metric_roots(cov.device)
+                cov = wh @ cov @ wh
+                v = principal_basis(cov, self.rank)
+                enc, u = wh @ v, wi @ v
+            else:
+                enc = u = v = principal_basis(cov, self.rank)
             state = [mom.mean().to(STATE_DTYPE).contiguous(), *self._basis_wire(u)]
             if self.coef_norm == "sqrt_std":  # lambda_i ** 0.25, floored against a zero variance
-                var = ((cov @ u) * u).sum(0).clamp_min(0.0)
+                var = ((cov @ v) * v).sum(0).clamp_min(0.0)
                 state.append(var.clamp_min(var.max() * 1e-12 + 1e-30).pow(0.25).to(STATE_DTYPE).contiguous())
             if self.own_grad_basis:   # the gradient's basis: the activations' own principal directions
                 state += self._basis_wire(principal_basis(self._moments_x(x, msg).covariance(), self.grad_rank))
             self._set_state(*state)
+            self.enc = enc.float() if self.metric is not None else None
             self.state_bytes_sent += sum(t.numel() * t.element_size() for t in state)
             out += state
-        c = (flat.float() - self.mean.to(flat.device)) @ self.basis.to(flat.device)
+        c = (flat.float() - self.mean.to(flat.device)) @ (self.enc if self.enc is not None else self.basis).to(flat.device)
         return out + quantize_groups(self._coef_div(c), self.groups)
 
     def _moments_x(self, x, msg):
@@ -330,12 +421,37 @@ class LowRankCodec(StatefulCodec):
         return x.to(dtype).view(msg.shape)
 
     def pack_gradient(self, g, msg):
-        gc = g.detach().reshape(msg.tokens, msg.hidden).float() @ self._gbasis().to(g.device)
-        return quantize_groups(gc, self.grad_groups)
+        flat = g.detach().reshape(msg.tokens, msg.hidden).float()
+        out = []
+        if self.metric_on and msg.train and self.metrics_sent < len(self.metric_steps):
+            self.grad_moments.add(flat)
+        if self._metric_msg(msg):
+            # the metric: the second moment of the dense gradients (the receiver alone sees them) since
+            # the previous metric, this message's included; its upper triangle in bf16
+            mom = self.grad_moments
+            m = (mom.s2 / max(mom.n, 1)).float()
+            iu = torch.triu_indices(msg.hidden, msg.hidden, device=m.device)
+            out.append(m[iu[0], iu[1]].to(STATE_DTYPE).contiguous())
+            self.grad_moments = RunningMoments(True)
+            self.metrics_sent += 1
+            self.metric_pending = True
+            self.state_bytes_sent += out[0].numel() * out[0].element_size()
+        gc = flat @ self._gbasis().to(g.device)
+        return out + quantize_groups(gc, self.grad_groups)
 
     def gradient_buffers(self, msg, dtype, device):
-        return self._coef_buffers(msg.tokens, device, self.grad_groups)
+        h = msg.hidden
+        st = [torch.empty(h * (h + 1) // 2, dtype=STATE_DTYPE, device=device)] if self._metric_msg(msg) else []
+        return st + self._coef_buffers(msg.tokens, device, self.grad_groups)
 
     def unpack_gradient(self, bufs, msg, dtype):
+        if self._metric_msg(msg):
+            h = msg.hidden
+            tri, bufs = bufs[0], bufs[1:]
+            iu = torch.triu_indices(h, h, device=tri.device)
+            m = torch.zeros(h, h, dtype=torch.float32, device=tri.device)
+            m[iu[0], iu[1]] = tri.float()
+            self.metric = m + m.T - torch.diag(m.diagonal())
+            self.metric_pending = True
         gc = dequantize_groups(bufs[0], bufs[1], self.grad_groups)
-        return (gc @ self._gbasis().to(gc.device).T).to(dtype).view(msg.shape)
+        return (gc @ self._gbasis_send().to(gc.device).T).to(dtype).view(msg.shape)

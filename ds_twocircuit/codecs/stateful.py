@@ -120,10 +120,10 @@ class StatefulCodec(Codec):
         self.has_state = False
         self.state_bytes_sent = 0
 
-    def message(self, key, shape, step: int, first_of_step: bool, train: bool) -> Message:
-        if train and first_of_step:
+    def message(self, key, shape, step: int, first_of_step: bool, train: bool, kind: str = "act") -> Message:
+        if train and first_of_step and kind == "act":
             self._age_moments(step)
-        return super().message(key, shape, step, first_of_step, train)
+        return super().message(key, shape, step, first_of_step, train, kind)
 
     def _running_moments(self) -> list:
         """The statistics a refresh fits on (a subclass with more adds them)."""
