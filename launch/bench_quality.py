@@ -223,23 +223,50 @@ def train_losses(out: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f if line.strip()]
 
 
+def _length_free(row: dict) -> bool:
+    """Whether the row's first N steps are those of a longer run of its config (the same batches and
+    learning rates): no learning-rate scheduler, which could depend on the run's length."""
+    if any(str(o).startswith("scheduler") for o in row.get("overrides") or []):
+        return False
+    try:
+        with open(row["config"]) as f:
+            return "scheduler" not in json.load(f)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _baseline_for(r: dict, base: dict):
+    """The baseline row of ``r``'s domain and seed: of the same length, else (a short screen) the
+    shortest longer one, whose first steps are the same batches where neither config's learning rate
+    depends on the run's length."""
+    same = base.get((r["domain"], r["seed"], r["steps"]))
+    if same is not None:
+        return same
+    longer = [b for (d, s, n), b in base.items() if d == r["domain"] and s == r["seed"] and n > r["steps"]]
+    if not longer or not _length_free(r):
+        return None
+    b = min(longer, key=lambda b: b["steps"])
+    return b if _length_free(b) else None
+
+
 def train_gaps(rows: list[dict], baseline: str) -> list[dict]:
     """Per (label, domain, steps): the training loss minus the baseline's at the same step of the same
     seed (the same batches; through the codec, as the run trains), over steps 1 .. end (at step 0
-    both train the same weights: with ``reference: base`` the gap is exactly 0 there). ``mean``: over
-    every seed's steps; ``se``: the per-step gaps' spread over the square root of their count (steps
-    are treated as independent); ``per_seed``: each seed's mean."""
+    both train the same weights: with ``reference: base`` the gap is exactly 0 there). A run shorter
+    than the baseline's (a 20-step screen) is paired with the baseline's first steps (see
+    :func:`_baseline_for`). ``mean``: over every seed's steps; ``se``: the per-step gaps' spread over the
+    square root of their count (steps are treated as independent); ``per_seed``: each seed's mean."""
     import statistics
     base = {(r["domain"], r["seed"], r["steps"]): r for r in rows if r["label"] == baseline and r.get("train_losses")}
     groups: dict = {}
     for r in rows:
-        if r["label"] != baseline and r.get("train_losses") and (r["domain"], r["seed"], r["steps"]) in base:
+        if r["label"] != baseline and r.get("train_losses") and _baseline_for(r, base) is not None:
             groups.setdefault((r["label"], r["domain"], r["steps"]), []).append(r)
     out = []
     for (label, domain, steps), rs in sorted(groups.items()):
         per_seed, gaps = {}, []
         for r in sorted(rs, key=lambda r: r["seed"]):
-            b = base[(domain, r["seed"], steps)]["train_losses"]
+            b = _baseline_for(r, base)["train_losses"][:len(r["train_losses"])]
             if len(b) != len(r["train_losses"]):
                 continue
             g = [v - w for v, w in zip(r["train_losses"][1:], b[1:])]
@@ -389,7 +416,8 @@ def report(args) -> dict:
               "range. A difference is a finding only where the paired differences agree in sign and exceed both.", ""]
     if gaps:
         lines += [f"Training loss minus `{args.baseline}`'s at the same step and seed (through the codec, as it "
-                  "trains; steps 1 to the end; SE: the per-step gaps' spread over the square root of their count):",
+                  "trains; steps 1 to the end, a shorter run against the baseline's first steps; SE: the per-step "
+                  "gaps' spread over the square root of their count):",
                   "", "| config | domain | steps | seeds | gap (mean) | SE | per seed |", "|---|---|---|---|---|---|---|"]
         for g in gaps:
             lines.append(f"| `{g['label']}` | {g['domain']} | {g['steps']} | {','.join(map(str, g['seeds']))} "

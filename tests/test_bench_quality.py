@@ -83,6 +83,19 @@ def test_a_screen_pairs_the_training_losses_step_by_step(tmp_path):
     assert g["mean"] == pytest.approx(statistics.fmean(gaps)) and g["se"] == pytest.approx(statistics.stdev(gaps) / 6 ** 0.5)
     assert g["per_seed"] == pytest.approx({0: statistics.fmean(gaps[:3]), 1: statistics.fmean(gaps[3:])})
     assert f"| `lr8` | deepspeed-cpp | 4 | 0,1 | {g['mean']:+.4f} |" in (tmp_path / "s.md").read_text()
+    # a shorter screen pairs with the baseline's first steps: the same batches (a constant learning
+    # rate), so its losses are the longer run's first ones
+    short = [a if a != "4" else "3" for a in common[:-1]] + ["0"]
+    bq.main(["--configs", "lowrank", "--set", "twocircuit.codec.groups=[[8,4]]", "--label", "lr8short", *short])
+    r3 = next(r for r in map(json.loads, results.read_text().splitlines()) if r["label"] == "lr8short")
+    assert r3["steps"] == 3 and r3["train_losses"] == rows[("lr8", 0)]["train_losses"][:3]
+    out = bq.report(bq.parse(["--report", "--results", str(results)]))
+    g3 = next(g for g in out["train_loss_gaps"] if g["label"] == "lr8short")
+    d0 = rows[("dense", 0)]["train_losses"]
+    assert g3["steps"] == 3 and g3["seeds"] == [0]
+    assert g3["mean"] == pytest.approx(statistics.fmean([r3["train_losses"][t] - d0[t] for t in (1, 2)]))
+    # not where a learning-rate scheduler could make the first steps depend on the run's length
+    assert bq._length_free(r3) and not bq._length_free(dict(r3, overrides=["scheduler.type=WarmupDecayLR"]))
 
 
 def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
