@@ -27,10 +27,10 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "pp_eval", "dp",
-         "anchor",
-         "export", "catch_up")
-TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "dp", "anchor")
+KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "pp_eval",
+         "dp", "anchor", "export", "catch_up")
+TRAINING_KINDS = ("pp_activations", "pp_gradients", "pp_codec_state", "pp_grad_state", "pp_handshake", "pp_tied", "dp",
+                  "anchor")
 
 _lock = threading.Lock()
 _bytes: dict[str, int] = defaultdict(int)
