@@ -763,4 +763,21 @@ def test_lowrank_metric_accumulates_the_gradients_since_the_last_one_sent():
     m = (g.T @ g / (4 * T)).float()
     iu = torch.triu_indices(H, H)
     assert torch.equal(sent[0], m[iu[0], iu[1]].to(torch.bfloat16))
+    # the metric turned on at a resume past its last metric step (a checkpoint without the metric's
+    # state): which gradients are collected is a function of the step, so nothing is kept
+    old = {k: v for k, v in copy.deepcopy(recv.state_dict()).items() if k not in ("metric", "enc", "metric_pending", "grad_moments", "metrics_sent")}
+    late = build_codec("lowrank", cfg=cfg)
+    late.load_state_dict(old)
+    for step, first in [(2, True), (2, False), (7, True)]:
+        msg = late.message(9, (T, H), step, first_of_step=first, train=True, kind="grad")
+        assert not msg.collect and not msg.metric
+        late.pack_gradient(gs[0], msg)
+    assert late.grad_moments.n == 0
+    # and with metric_steps [0, 3]: step 0's first message, then steps 1-2 and step 3's first
+    c2 = dict(cfg, metric_steps=[0, 3])
+    r2 = build_codec("lowrank", cfg=c2)
+    flags = [(r2.message(9, (T, H), st, first_of_step=f, train=tr, kind="grad").collect)
+             for st, f, tr in [(0, True, True), (0, False, True), (1, True, True), (3, True, True),
+                               (3, False, True), (4, True, True), (1, True, False)]]
+    assert flags == [True, True, True, True, False, False, False]
     assert torch.equal(sent[0], sent[1])

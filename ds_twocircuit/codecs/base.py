@@ -44,6 +44,7 @@ class Message:
     train: bool = True     # a training message (stateful codecs measure only these)
     first: bool = False    # the first training message of its step on this link (either direction)
     metric: bool = False   # as a gradient message: it carries the receiver's gradient metric back
+    collect: bool = False  # as a gradient message: the receiver adds it to the metric it still sends back
 
     @property
     def hidden(self) -> int:
@@ -104,6 +105,11 @@ class Codec:
         """Whether the first gradient message of training step ``step`` carries state back."""
         return False
 
+    def metric_collects(self, step: int, first: bool) -> bool:
+        """Whether a training gradient message of step ``step`` (``first``: the step's first on this
+        link) goes into a gradient metric still to be sent back."""
+        return False
+
     def message(self, key: int, shape, step: int, first_of_step: bool, train: bool, kind: str = "act") -> Message:
         """The message both ends build for one boundary tensor (``step``: the training step whose
         schedule applies; ``first_of_step``: the first message of that step on this link in the
@@ -117,7 +123,8 @@ class Codec:
         return Message(key=key, shape=tuple(int(s) for s in shape), keep=keep,
                        scale=self.scale(step, keep, hidden),
                        refresh=bool(first and kind == "act" and self.refresh_due(step)), train=train,
-                       first=first, metric=bool(first and self.metric_due(step)))
+                       first=first, metric=bool(first and self.metric_due(step)),
+                       collect=bool(train and self.metric_collects(step, first)))
 
     # ---------------------------------------------------------------- sizes and descriptions
     def payload_bytes(self, hidden: int, element_bytes: int, step: int | None = None) -> tuple[int, int]:

@@ -197,6 +197,12 @@ class LowRankCodec(StatefulCodec):
     def metric_due(self, step: int) -> bool:
         return self.metric_on and step in self.metric_steps
 
+    def metric_collects(self, step: int, first: bool) -> bool:
+        # every training gradient up to and including the first message of the last metric step: a
+        # pure function of the step, so a run that turns the metric on at a resume past its last
+        # metric step collects nothing
+        return self.metric_on and any(s > step or (s == step and first) for s in self.metric_steps)
+
     def carries_state(self, msg) -> bool:
         # a metric that crossed the link is fitted at the next step's first activation message
         return super().carries_state(msg) or (self.metric_pending and msg.train and msg.first)
@@ -423,7 +429,7 @@ class LowRankCodec(StatefulCodec):
     def pack_gradient(self, g, msg):
         flat = g.detach().reshape(msg.tokens, msg.hidden).float()
         out = []
-        if self.metric_on and msg.train and self.metrics_sent < len(self.metric_steps):
+        if self.metric_on and msg.collect:
             self.grad_moments.add(flat)
         if self._metric_msg(msg):
             # the metric: the second moment of the dense gradients (the receiver alone sees them) since
