@@ -356,13 +356,18 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
     """The config with the lowest mean held-out loss among those at >= ``min_ratio_bf16`` fewer
     boundary bytes than bf16 (and, if ``min_dp_ratio``, at least that many times fewer DP bytes in
     the training loop than the baseline) on every domain measured with at least ``min_seeds`` seeds; None if
-    none is within ``within`` of the baseline on every domain."""
+    none is within ``within`` of the baseline on every domain. A config must have rows on every domain the
+    baseline has, and be a file as it ships: rows run with ``--set`` overrides are screens of a change to
+    the file, not the file, and are never recommended."""
     by_label: dict = {}
     for s in summary:
         by_label.setdefault(s["label"], []).append(s)
+    domains = {s["domain"] for s in by_label.get(baseline, [])}
     ok = []
     for label, ss in by_label.items():
-        if label == baseline or any(_ratio_bf16(s) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
+        if label == baseline or not domains <= {s["domain"] for s in ss} or any(s.get("overrides") for s in ss):
+            continue
+        if any(_ratio_bf16(s) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
                                     or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
                                     or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue

@@ -126,6 +126,18 @@ def test_report_recommends_only_what_meets_the_budget_on_two_seeds(tmp_path):
     e = [dict(r, pp_bytes_ratio_bf16_busier=21.0, pp_bytes_per_token_fwd=40.3, pp_bytes_per_token_bwd=54.9) for r in e]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows + e))
     assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/e.json"
+    # better still, but run with --set overrides (a screen of a change to the file, not the file)
+    f = [dict(row("e", seed, loss, 25.0), label="e x=1", overrides=["x=1"], pp_bytes_ratio_bf16_busier=21.0)
+         for seed, loss in ((0, 1.98), (1, 2.18))]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows + e + f))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/e.json"
+    # the baseline on a second domain that e has not run: nothing is recommended until it has
+    cpp = [row("dense", seed, 1.5, 0.5, domain="deepspeed-cpp") for seed in (0, 1)]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows + e + cpp))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") is None
+    e_cpp = [dict(r, domain="deepspeed-cpp", heldout_loss=1.51) for r in e]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows + e + cpp + e_cpp))
+    assert bq.recommend(bq.summarise(bq.load_rows(str(results)), "dense"), "dense") == "ds_configs/e.json"
     # the table shows each direction's bytes and the busier direction's ratio, not the mean's 25x
     table = (tmp_path / "r.md")
     bq.report(bq.parse(["--report", "--results", str(results), "--min-seeds", "2"]))
