@@ -371,3 +371,37 @@ def test_lowrank20_is_the_screened_drift_layout():
     for r in screened:
         assert r["pp_bytes_per_token_bwd"] == per_token and per_token < r["pp_bytes_per_token_fwd"] <= 576 * 2 / 20
         assert r["pp_bytes_ratio_bf16_busier"] >= 20
+
+
+def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
+    """ds_configs/lowrank20_metric98.json is lowrank20.json plus the overrides of the 20-step screen row
+    lowrank20_metric_f98_s8 (the basis in the gradient metric, 98 coefficients each way, the refits'
+    basis in int8), so its runs train what was screened. Its bytes from the file: 51 a token each way
+    plus the refits' state, which over the study's 123 steps of 1,024 tokens a replica keeps the forward
+    under 1/20 of SmolLM2's bf16 boundary (57.6), and the metric's one upper triangle back."""
+    root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
+            if line.strip()]
+    screen = [r for r in rows if r["label"] == "lowrank20_metric_f98_s8"]
+    assert screen and all(r["config"] == "ds_configs/lowrank20.json" for r in screen)
+    shipped = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
+    base = json.load(open(os.path.join(CONFIGS, "lowrank20.json")))
+    for r in screen:
+        assert shipped == apply_overrides(base, r["overrides"])
+    for r in rows:   # the file's own rows ran it without overrides
+        if r["config"] == "ds_configs/lowrank20_metric98.json":
+            assert r["overrides"] == []
+    from ds_twocircuit.codecs.lowrank import LowRankConfig
+    codec = vars(LowRankConfig(**shipped["twocircuit"]["codec"]))   # with the defaults (metric_steps)
+    H, T = 576, 123 * 1024                           # SmolLM2's width; the study's tokens per replica
+    per_token = sum(n * b for n, b in codec["groups"]) / 8 + 2
+    assert per_token == sum(n * b for n, b in codec["grad_groups"]) / 8 + 2 == 51
+    rank = sum(n for n, _ in codec["groups"])
+    refits = len(codec["refresh_steps"]) + len(range(32 + 10, 123, 10))   # 0, 2, 8, 32, then every 10
+    state = rank * H + rank * 2 + H * 2 + rank * 2   # int8 basis + its per-direction bf16 scales, mean, coef scales
+    assert refits == 13 and codec["metric_steps"] == [1] and 2 in codec["refresh_steps"]   # the metric's refit rides on step 2's
+    fwd = per_token + refits * state / T
+    assert fwd <= H * 2 / 20 < fwd + 1
+    assert per_token + H * (H + 1) / T < H * 2 / 20   # the metric's bf16 upper triangle, once, back
+    for r in screen:   # the screen's state bytes are its 3 refits' (steps 0, 2, 8) on each of 2 replicas
+        assert r["pp_codec_state_bytes"] == 3 * 2 * state and r["pp_grad_state_bytes"] == 2 * H * (H + 1)
