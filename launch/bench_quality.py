@@ -80,6 +80,10 @@ def parse(argv=None):
                    help="--report: ... measured with at least this many seeds on every domain (default 2)")
     p.add_argument("--title", default="Quality at the boundary bytes of each config",
                    help="--report: the Markdown note's title")
+    p.add_argument("--readme", default=None,
+                   help="--report: also rewrite the summary between the README_BEGIN and README_END markers of "
+                        "this Markdown file (the README's quality table reads from the study this way); the "
+                        "markers must be there")
     return p.parse_args(argv)
 
 
@@ -376,6 +380,28 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
 
 
 TABLE_BEGIN, TABLE_END = "<!-- table: written by --report -->", "<!-- end of table -->"
+README_BEGIN = "<!-- quality: written by launch/bench_quality.py --report --readme -->"
+README_END = "<!-- end of quality -->"
+
+
+def readme_lines(summary: list[dict], out: dict, baseline: str, note: str) -> list[str]:
+    """The README's short table of a study: each config against the baseline on each domain."""
+    lines = ["", f"| config | domain | seeds | held-out loss vs `{baseline}` (mean; per seed) "
+             "| boundary bytes/token (forward / backward) | x fewer than bf16 (busier direction) |",
+             "|---|---|---|---|---|---|"]
+    for s in summary:
+        if s["label"] == baseline:
+            continue
+        per_seed = ", ".join(f"{d:+.3f}" for _, d in sorted(s["paired_diff"].items()))
+        vs = "-" if s["vs_baseline"] is None else f"**{(s['vs_baseline'] - 1) * 100:+.2f}%**; {per_seed}"
+        lines.append(f"| `{s['config']}` | {s['domain']} | {','.join(map(str, s['seeds']))} | {vs} "
+                     f"| {_bytes_cell(s)} | {_ratio_bf16(s):.1f} |")
+    rec = out["recommended"]
+    lines += ["", f"Recommended by this study: {f'`{rec}`' if rec else 'none yet'} (within "
+              f"{out['recommended_if']['within']:.0%} of `{baseline}` at {out['recommended_if']['min_ratio_bf16']:g}x "
+              f"fewer bytes than bf16, {out['recommended_if']['min_seeds']} seeds on every domain). From "
+              f"[{os.path.basename(note)}]({note}).", ""]
+    return lines
 
 
 def report(args) -> dict:
@@ -430,6 +456,13 @@ def report(args) -> dict:
                          + ", ".join(f"{v:+.4f}" for _, v in sorted(g["per_seed"].items())) + " |")
         lines.append("")
     write_section(base + ".md", TABLE_BEGIN, TABLE_END, lines, args.title)
+    if args.readme:
+        text = open(args.readme).read()
+        if README_BEGIN not in text or README_END not in text:
+            raise SystemExit(f"--readme {args.readme}: the markers {README_BEGIN!r} and {README_END!r} are not "
+                             "in it; put them where the table belongs")
+        note = os.path.relpath(base + ".md", os.path.dirname(os.path.abspath(args.readme)))
+        write_section(args.readme, README_BEGIN, README_END, readme_lines(summary, out, args.baseline, note), "")
     if rows:
         _plot(rows, base + ".png", args.baseline)
     print("\n".join(lines))

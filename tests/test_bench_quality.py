@@ -200,6 +200,19 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
     assert table.startswith("# Full stack") and "| 200.0 / 50.0 |" in table and "| 1 (the baseline) |" in table
+    # --readme: the README's table is rewritten between its markers from the same summary, the prose kept
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\n\ntext\n\n" + bq.README_BEGIN + "\nstale\n" + bq.README_END + "\n\nmore\n")
+    out = bq.report(bq.parse([*args, "--min-dp-ratio", "100", "--readme", str(readme)]))
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("# Project\n\ntext\n") and text.endswith("more\n")
+    assert "| `ds_configs/slow.json` | sympy | 0,1 | **+0.05%**; +0.001, +0.001 | 100.0 | 10.0 |" in text
+    assert "`ds_configs/dense.json` |" not in text
+    assert "Recommended by this study: `ds_configs/slow.json`" in text and "[fullstack.md](fullstack.md)" in text
+    readme.write_text("# Project without the markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        bq.report(bq.parse([*args, "--readme", str(readme)]))
+    assert readme.read_text() == "# Project without the markers\n"
 
 
 def test_the_gpu_layout_is_the_same_tokens_in_fewer_micro_batches(tmp_path):

@@ -373,6 +373,22 @@ def test_lowrank20_is_the_screened_drift_layout():
         assert r["pp_bytes_ratio_bf16_busier"] >= 20
 
 
+def test_quality_rows_copied_from_screens_ran_the_file_they_name():
+    """docs/benchmarks/quality.jsonl (issue 26's study) names each row by its shipped config file; a row
+    that ran under another name (a screen's label, or lowrank.json + --set overrides before the file
+    existed) keeps that in ``ran_as``, and what it ran must be exactly the file it names now."""
+    root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl")) if line.strip()]
+    assert {r["domain"] for r in rows} == {"sympy", "deepspeed-cpp"}
+    moved = [r for r in rows if "ran_as" in r]
+    assert moved
+    for r in rows:
+        assert r["overrides"] == [] and r["label"] == os.path.basename(r["config"])[:-5]
+        named = json.load(open(os.path.join(root, r["config"])))
+        if "ran_as" in r:
+            ran = json.load(open(os.path.join(root, r["ran_as"]["config"])))
+            assert named == apply_overrides(ran, r["ran_as"]["overrides"]), r["ran_as"]
+
 def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     """ds_configs/lowrank20_metric98.json is lowrank20.json plus the overrides of the 20-step screen row
     lowrank20_metric_f98_s8 (the basis in the gradient metric, 98 coefficients each way, the refits'

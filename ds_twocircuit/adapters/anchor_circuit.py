@@ -341,7 +341,7 @@ def run_anchor(plan, world) -> int:
     # delayed_ef pairs this gradient with the fast step's own, which DeepSpeed clipped before the
     # optimizer saw it: clip this one by the same rule (DeepSpeed's clip_grad_norm_, the global norm
     # over every stage of the replica), or the pair's difference carries the clipping (measured:
-    # docs/benchmarks/quality.md). The spectral filter keeps the paper's unclipped anchor gradients.
+    # docs/benchmarks/quality_stdlib.md). The spectral filter keeps the paper's unclipped anchor gradients.
     clip_like_fast = (engine.gradient_clipping() if tc.anchor.correction == "delayed_ef" else 0.0) or 0.0
     store = SnapshotStore(store_root(plan), keep=tc.anchor.keep)
     tok = AutoTokenizer.from_pretrained(plan.model_folder)
