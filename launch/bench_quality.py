@@ -372,8 +372,8 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
         if label == baseline or not domains <= {s["domain"] for s in ss} or any(s.get("overrides") for s in ss):
             continue
         if any(_ratio_bf16(s) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
-                                    or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
-                                    or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
+               or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
+               or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue
         ok.append((sum(s["heldout_loss_mean"] for s in ss) / len(ss), label, ss[0]["config"]))
     return min(ok)[2] if ok else None
