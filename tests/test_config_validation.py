@@ -389,6 +389,18 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
             ran = json.load(open(os.path.join(root, r["ran_as"]["config"])))
             assert named == apply_overrides(ran, r["ran_as"]["overrides"]), r["ran_as"]
 
+def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200s_sync():
+    """ds_configs/lowrank20_metric98_dp200.json (issue 27's full stack): exactly the codec study's
+    candidate with the sync whose quality fullstack.md measures alone (dense_dp200.json), so the two
+    compressions' costs can be told apart."""
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_dp200.json")))
+    codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
+    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
+    assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
+    assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
+        {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
+    assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
+
 def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     """ds_configs/lowrank20_metric98.json is lowrank20.json plus the overrides of the 20-step screen row
     lowrank20_metric_f98_s8 (the basis in the gradient metric, 98 coefficients each way, the refits'
