@@ -81,9 +81,10 @@ def parse(argv=None):
     p.add_argument("--title", default="Quality at the boundary bytes of each config",
                    help="--report: the Markdown note's title")
     p.add_argument("--readme", default=None,
-                   help="--report: also rewrite the summary between the README_BEGIN and README_END markers of "
-                        "this Markdown file (the README's quality table reads from the study this way); the "
-                        "markers must be there")
+                   help="--report: also rewrite a short table of the study between the lines "
+                        "'<!-- quality: written by launch/bench_quality.py --report --readme -->' and "
+                        "'<!-- end of quality -->' of this Markdown file (how the README's codec table reads "
+                        "from docs/benchmarks/quality.json); both lines must be there")
     return p.parse_args(argv)
 
 

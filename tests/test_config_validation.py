@@ -389,6 +389,7 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
             ran = json.load(open(os.path.join(root, r["ran_as"]["config"])))
             assert named == apply_overrides(ran, r["ran_as"]["overrides"]), r["ran_as"]
 
+
 def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200s_sync():
     """ds_configs/lowrank20_metric98_dp200.json (issue 27's full stack): exactly the codec study's
     candidate with the sync whose quality fullstack.md measures alone (dense_dp200.json), so the two
@@ -400,6 +401,7 @@ def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200s_sync(
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
+
 
 def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     """ds_configs/lowrank20_metric98.json is lowrank20.json plus the overrides of the 20-step screen row
@@ -425,7 +427,8 @@ def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     per_token = sum(n * b for n, b in codec["groups"]) / 8 + 2
     assert per_token == sum(n * b for n, b in codec["grad_groups"]) / 8 + 2 == 51
     rank = sum(n for n, _ in codec["groups"])
-    refits = len(codec["refresh_steps"]) + len(range(32 + 10, 123, 10))   # 0, 2, 8, 32, then every 10
+    last, every = max(codec["refresh_steps"]), codec["refresh_every"]
+    refits = len(codec["refresh_steps"]) + len(range(last + every, 123, every))   # 0, 2, 8, 32, then every 10
     state = rank * H + rank * 2 + H * 2 + rank * 2   # int8 basis + its per-direction bf16 scales, mean, coef scales
     assert refits == 13 and codec["metric_steps"] == [1] and 2 in codec["refresh_steps"]   # the metric's refit rides on step 2's
     fwd = per_token + refits * state / T

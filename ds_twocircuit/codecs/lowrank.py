@@ -180,7 +180,6 @@ class LowRankCodec(StatefulCodec):
         self.metric_pending = False  # a metric crossed since the last state: the next step refits
         # the receiver's gradient moments since the last metric sent (until the last metric step)
         self.grad_moments = RunningMoments(True) if self.metric_on else None
-        self.metrics_sent = 0
         # tensors on the wire per refresh: an 8-bit basis is two (entries, per-direction scales)
         per_basis = 2 if self.state_bits == 8 else 1
         self._n_state_wire = (1 + per_basis + (self.coef_norm != "none")
@@ -318,7 +317,7 @@ class LowRankCodec(StatefulCodec):
             d["moments_x"] = self.moments_x.state_dict()
         if self.metric_on:
             d.update(metric=self.metric, enc=self.enc, metric_pending=self.metric_pending,
-                     grad_moments=self.grad_moments.state_dict(), metrics_sent=self.metrics_sent)
+                     grad_moments=self.grad_moments.state_dict())
         return d
 
     def load_state_dict(self, d: dict) -> None:
@@ -330,7 +329,6 @@ class LowRankCodec(StatefulCodec):
             self.metric, self.enc, self.metric_pending = d.get("metric"), d.get("enc"), d.get("metric_pending", False)
             if "grad_moments" in d:
                 self.grad_moments.load_state_dict(d["grad_moments"])
-            self.metrics_sent = d.get("metrics_sent", 0)
 
     @classmethod
     def merge_states(cls, states: list[dict]) -> dict:
@@ -439,7 +437,6 @@ class LowRankCodec(StatefulCodec):
             iu = torch.triu_indices(msg.hidden, msg.hidden, device=m.device)
             out.append(m[iu[0], iu[1]].to(STATE_DTYPE).contiguous())
             self.grad_moments = RunningMoments(True)
-            self.metrics_sent += 1
             self.metric_pending = True
             self.state_bytes_sent += out[0].numel() * out[0].element_size()
         gc = flat @ self._gbasis().to(g.device)
