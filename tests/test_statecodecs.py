@@ -510,6 +510,8 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "state_bits": True}, "twocircuit.codec.state_bits"),
     ({"groups": [[8, 4]], "metric": "fisher"}, "twocircuit.codec.metric"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_steps": []}, "twocircuit.codec.metric_steps"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": -1}, "twocircuit.codec.metric_window must be"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": 2.5}, "twocircuit.codec.metric_window must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "reference": "base"},
      "twocircuit.codec.metric: \"gradient\" needs the gradient on the forward's basis"),
 ])
@@ -782,3 +784,11 @@ def test_lowrank_metric_accumulates_the_gradients_since_the_last_one_sent():
              for st, f, tr in [(0, True, True), (0, False, True), (1, True, True), (3, True, True),
                                (3, False, True), (4, True, True), (1, True, False)]]
     assert flags == [True, True, True, True, False, False, False]
+    # with metric_window 2 and metric_steps [1, 6]: step 0 and step 1's first (the window reaches back
+    # past the run's start), then steps 4-5 and step 6's first only
+    r3 = build_codec("lowrank", cfg=dict(cfg, metric_steps=[1, 6], metric_window=2))
+    assert r3.describe()["metric_window"] == 2
+    flags = [r3.message(9, (T, H), st, first_of_step=f, train=True, kind="grad").collect
+             for st, f in [(0, True), (0, False), (1, True), (1, False), (2, True), (3, False), (4, True),
+                           (5, False), (6, True), (6, False), (7, True)]]
+    assert flags == [True, True, True, False, False, False, True, True, True, False, False]

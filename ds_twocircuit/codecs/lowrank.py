@@ -28,7 +28,8 @@ bytes: each end runs the base model's stages before the boundary once more, forw
 ``metric: "gradient"``: what the loss sees of the boundary is not its energy. The receiver alone holds
 the dense gradient g of the loss at the boundary; on the first gradient message of each step in
 ``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that message's
-included; default: step 0's and step 1's first; its upper triangle in bf16, counted as
+included; default: step 0's and step 1's first; with ``metric_window`` w, only those of the w steps
+before it; its upper triangle in bf16, counted as
 ``pp_grad_state``), and the next step's first activation message refits in the metric
 W = M + floor I: V the principal directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V,
 the receiver decodes with dec = W^-1/2 V (the basis shipped; the same state bytes), an oblique
@@ -78,6 +79,10 @@ class LowRankConfig(RefreshConfig):
     metric_steps: list = field(default_factory=lambda: [1])  # steps whose first gradient message
                                     # carries the metric: the receiver's gradients since the previous
                                     # one (default: all of step 0's and step 1's first message's)
+    metric_window: int = 0          # > 0: a metric step s takes only the gradients of steps
+                                    # s - metric_window .. s - 1 (and s's first message), so a metric
+                                    # refitted late in a run measures where the model is then; 0: all
+                                    # since the previous metric step
     state_bits: int = 16            # bits of each basis entry a refresh ships: 16 (bf16) | 8 (int8,
                                     # one bf16 scale per direction: about half the state's bytes)
 
@@ -97,6 +102,9 @@ class LowRankConfig(RefreshConfig):
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.metric_steps)):
             raise ConfigError(f"{p}.metric_steps must be a non-empty list of step numbers >= 0 (steps whose "
                               f"first gradient message carries the metric), got {self.metric_steps!r}")
+        if isinstance(self.metric_window, bool) or not isinstance(self.metric_window, int) or self.metric_window < 0:
+            raise ConfigError(f"{p}.metric_window must be a whole number of steps >= 0 (0: every gradient "
+                              f"since the previous metric step), got {self.metric_window!r}")
         if self.metric != "none" and self.reference != "none" and self.grad_basis != "forward":
             raise ConfigError(f"{p}.metric: \"{self.metric}\" needs the gradient on the forward's basis (the "
                               f"exact gradient of the coded forward); with reference \"base\" set "
@@ -175,6 +183,7 @@ class LowRankCodec(StatefulCodec):
         if self.metric_on and self.own_grad_basis:
             raise ValueError("lowrank codec: metric \"gradient\" needs grad_basis \"forward\" with a reference")
         self.metric_steps = frozenset(int(x) for x in cfg.metric_steps)
+        self.metric_window = int(cfg.metric_window)
         self.metric = None          # the sender's copy of the receiver's gradient metric (H, H), as sent
         self.enc = None             # the sender's analysis basis with a metric (W^1/2 V); else the basis
         self.metric_pending = False  # a metric crossed since the last state: the next step refits
@@ -197,10 +206,12 @@ class LowRankCodec(StatefulCodec):
         return self.metric_on and step in self.metric_steps
 
     def metric_collects(self, step: int, first: bool) -> bool:
-        # every training gradient up to and including the first message of the last metric step: a
-        # pure function of the step, so a run that turns the metric on at a resume past its last
-        # metric step collects nothing
-        return self.metric_on and any(s > step or (s == step and first) for s in self.metric_steps)
+        # every training gradient up to and including the first message of the last metric step (with
+        # a window, only those of the window's steps before each): a pure function of the step, so a
+        # run that turns the metric on at a resume past its last metric step collects nothing
+        w = self.metric_window
+        return self.metric_on and any((s > step and (w == 0 or step >= s - w)) or (s == step and first)
+                                      for s in self.metric_steps)
 
     def carries_state(self, msg) -> bool:
         # a metric that crossed the link is fitted at the next step's first activation message
@@ -251,6 +262,8 @@ class LowRankCodec(StatefulCodec):
             d.update(state_bits=self.state_bits)
         if self.metric_on:
             d.update(metric="gradient", metric_steps=sorted(self.metric_steps))
+            if self.metric_window:
+                d.update(metric_window=self.metric_window)
         return d
 
     @staticmethod
