@@ -418,9 +418,11 @@ def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     base = json.load(open(os.path.join(CONFIGS, "lowrank20.json")))
     for r in screen:
         assert shipped == apply_overrides(base, r["overrides"])
-    for r in rows:   # the file's own rows ran it without overrides
-        if r["config"] == "ds_configs/lowrank20_metric98.json":
-            assert r["overrides"] == []
+    study = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl"))
+             if line.strip()]
+    own = [r for r in rows + study if r["label"] == "lowrank20_metric98"]
+    assert own and all(r["config"] == "ds_configs/lowrank20_metric98.json" and r["overrides"] == []
+                       for r in own)   # the rows under the file's name ran it without overrides
     from ds_twocircuit.codecs.lowrank import LowRankConfig
     codec = vars(LowRankConfig(**shipped["twocircuit"]["codec"]))   # with the defaults (metric_steps)
     H, T = 576, 123 * 1024                           # SmolLM2's width; the study's tokens per replica

@@ -512,6 +512,7 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "metric": "gradient", "metric_steps": []}, "twocircuit.codec.metric_steps"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_window": -1}, "twocircuit.codec.metric_window must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_window": 2.5}, "twocircuit.codec.metric_window must be"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_rank": -2}, "twocircuit.codec.metric_rank must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "reference": "base"},
      "twocircuit.codec.metric: \"gradient\" needs the gradient on the forward's basis"),
 ])
@@ -674,6 +675,46 @@ def test_lowrank_metric_crosses_back_counted_and_the_next_step_codes_in_it():
     (_CodecLink.apply(xx, (send, recv), m1b, True, ref) * w).sum().backward()
     p, s = quantize_groups(w @ send.basis[:, :6], [(6, 4)])
     assert torch.equal(xx.grad, dequantize_groups(p, s, [(6, 4)]) @ send.enc[:, :6].T)
+
+
+@pytest.mark.parametrize("k", [8, 64])
+def test_lowrank_metric_rank_sends_the_leading_eigenvectors_in_int8(k):
+    """metric_rank k: the metric crosses as its k leading eigenvectors (int8, a bf16 scale each), their
+    eigenvalues and the mean of the others (bf16), counted as pp_grad_state; the sender's metric has
+    those eigenvalues exactly (its int8 eigenvectors made orthonormal again), the others at their mean.
+    k >= H sends every eigenvector (the mean of none is 0)."""
+    from ds_twocircuit import wire
+    torch.manual_seed(26)
+    H, T = 64, 400
+    cfg = {"groups": [[8, 4]], "grad_groups": [[6, 4]], "refresh_steps": [0], "reference": "base",
+           "grad_basis": "forward", "metric": "gradient", "metric_steps": [0], "metric_rank": k}
+    send, recv = build_codec("lowrank", cfg=cfg), build_codec("lowrank", cfg=cfg)
+    assert send.describe()["metric_rank"] == k
+    q = torch.linalg.qr(torch.randn(H, H))[0]
+    ref = torch.randn(T, H) + 1.0
+    m0 = send.message(7, (T, H), 0, first_of_step=True, train=True)
+    w = (torch.randn(T, H) * torch.logspace(0, -2, H)) @ q.T
+    xx = ref.clone().requires_grad_()
+    wire.reset()
+    (_CodecLink.apply(xx, (send, recv), m0, True, ref) * w).sum().backward()
+    kk = min(k, H)
+    assert recv.grad_state_tensor_count(m0) == 3
+    assert wire.totals()["pp_grad_state"] == H * kk + 2 * kk + 2 * (kk + 1) == recv.state_bytes_sent
+    true = (w.double().T @ w.double()) / T
+    ev, v = torch.linalg.eigh(true)
+    got = send.metric.double()
+    assert torch.allclose(got, got.T, atol=1e-6)
+    gev = torch.linalg.eigvalsh(got)
+    lead = ev[-kk:].to(torch.bfloat16).double()
+    rest = ev[:-kk].mean().to(torch.bfloat16).double() if kk < H else torch.zeros((), dtype=torch.float64)
+    want = torch.sort(torch.cat([lead, rest.repeat(H - kk)])).values
+    assert torch.allclose(gev, want, rtol=1e-4, atol=1e-6 * float(ev[-1]))
+    # the leading directions are the metric's own, to int8 precision (its errors mix a little of the
+    # largest eigenvalue into the smallest)
+    proj = v[:, -kk:].T @ got @ v[:, -kk:]
+    assert torch.allclose(proj.diagonal(), lead, rtol=0.02, atol=2e-5 * float(ev[-1]))
+    # fewer bytes than the whole metric's bf16 triangle (metric_rank 0) where k is below about H / 2
+    assert (H * (H + 1) > H * kk + 2 * kk + 2 * (kk + 1)) == (kk < H // 2)
 
 
 def test_lowrank_metric_keeps_the_drift_the_loss_sees():

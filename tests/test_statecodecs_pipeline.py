@@ -75,11 +75,12 @@ def test_lowrank_coded_and_dense_eval_and_resume(tmp_path):
     assert all(torch.equal(wa[k], wb_[k]) for k in wa)
 
 
-@pytest.mark.parametrize("grad_basis, grad_rank, pp, state_bits, metric", [
-    ("activations", 16, 2, 16, "none"), ("forward", 6, 2, 16, "none"), ("forward", 6, 3, 16, "none"),
-    ("activations", 16, 2, 8, "none"), ("forward", 6, 2, 16, "gradient"), ("forward", 6, 3, 8, "gradient")])
+@pytest.mark.parametrize("grad_basis, grad_rank, pp, state_bits, metric, metric_rank", [
+    ("activations", 16, 2, 16, "none", 0), ("forward", 6, 2, 16, "none", 0), ("forward", 6, 3, 16, "none", 0),
+    ("activations", 16, 2, 8, "none", 0), ("forward", 6, 2, 16, "gradient", 0), ("forward", 6, 3, 8, "gradient", 0),
+    ("forward", 6, 2, 8, "gradient", 12)])
 def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_path, grad_basis, grad_rank, pp,
-                                                                             state_bits, metric):
+                                                                             state_bits, metric, metric_rank):
     """reference = base across processes: stage 0 codes the drift from the base model's activation
     of its input ids, the last stage adds back its own computation of it from the labels (the same
     ids), a middle stage (pp 3) does both with the ids it reads from its own copy of the data stream,
@@ -89,11 +90,12 @@ def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_
     has its own; with ``state_bits`` 8 both bases cross as int8 with a bf16 scale per direction). With
     ``metric`` "gradient" each receiver (the middle stage too) sends its gradient metric (step 0's
     gradient messages and step 1's first) back on step 1's first gradient message, counted as
-    pp_grad_state, and step 2 refits in it on both ends (refreshes listed: step 0 only)."""
+    pp_grad_state, and step 2 refits in it on both ends (refreshes listed: step 0 only); with
+    ``metric_rank`` 12 as its 12 leading eigenvectors in int8 and their eigenvalues."""
     codec = {"groups": [[8, 4]], "grad_groups": [[grad_rank, 4]], "refresh_steps": [0, 2], "refresh_every": 0,
              "reference": "base", "grad_basis": grad_basis, "state_bits": state_bits, "metric": metric}
     if metric != "none":   # the metric of step 0's gradients and step 1's first crosses then; step 2 refits in it
-        codec.update(refresh_steps=[0], metric_steps=[1])
+        codec.update(refresh_steps=[0], metric_steps=[1], metric_rank=metric_rank)
     path, cfg = _sgd_config(tmp_path, "lowrank", mask_rate=0.0, codec=codec)
     out = str(tmp_path / "run")
     torchrun(pp, ["--model", "tiny", "--deepspeed", path, "--pp", str(pp), "--steps", str(STEPS),
@@ -114,7 +116,9 @@ def test_lowrank_reference_base_pipeline_matches_reference_and_counts_bytes(tmp_
     basis = (lambda r: 2 * H * r) if state_bits == 16 else (lambda r: H * r + 2 * r if r else 0)
     refits = 2     # steps 0 and 2 (listed, or after the metric)
     assert wb["pp_codec_state"] == (pp - 1) * refits * (2 * H + basis(8) + basis(own))
-    assert wb["pp_grad_state"] == ((pp - 1) * H * (H + 1) if metric == "gradient" else 0)
+    k = metric_rank
+    metric_bytes = H * k + 2 * k + 2 * (k + 1) if k else H * (H + 1)
+    assert wb["pp_grad_state"] == ((pp - 1) * metric_bytes if metric == "gradient" else 0)
 
 
 def test_reference_base_middle_stage_keeps_its_stream_in_step(tmp_path):

@@ -29,8 +29,8 @@ bytes: each end runs the base model's stages before the boundary once more, forw
 the dense gradient g of the loss at the boundary; on the first gradient message of each step in
 ``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that message's
 included; default: step 0's and step 1's first; with ``metric_window`` w, only those of the w steps
-before it; its upper triangle in bf16, counted as
-``pp_grad_state``), and the next step's first activation message refits in the metric
+before it; its upper triangle in bf16, or with ``metric_rank`` k its k leading eigenvectors in int8
+and their eigenvalues, the others at their mean; counted as ``pp_grad_state``), and the next step's first activation message refits in the metric
 W = M + floor I: V the principal directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V,
 the receiver decodes with dec = W^-1/2 V (the basis shipped; the same state bytes), an oblique
 projection dec enc^T that keeps the drift along the directions the loss reacts to. The gradient goes
@@ -62,6 +62,14 @@ METRIC_FLOOR = 1e-3
 DRIFT_FLOOR = 1e-6
 
 
+def _int8_columns(u) -> list:
+    """(H, r) as int8 entries with one bf16 scale per column (its largest entry / 127)."""
+    s = (u.abs().amax(0) / 127).to(STATE_DTYPE)
+    sf = s.float()
+    q = torch.round(u / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp_(-127, 127)
+    return [q.to(torch.int8).contiguous(), s.contiguous()]
+
+
 @dataclass(frozen=True)
 class LowRankConfig(RefreshConfig):
     """``twocircuit.codec`` of ``lowrank``."""
@@ -83,6 +91,9 @@ class LowRankConfig(RefreshConfig):
                                     # s - metric_window .. s - 1 (and s's first message), so a metric
                                     # refitted late in a run measures where the model is then; 0: all
                                     # since the previous metric step
+    metric_rank: int = 0            # 0: the metric crosses whole (its upper triangle in bf16); k > 0:
+                                    # its k leading eigenvectors (int8, a bf16 scale each) and
+                                    # eigenvalues, the rest at their mean (about k / (H / 2) of the bytes)
     state_bits: int = 16            # bits of each basis entry a refresh ships: 16 (bf16) | 8 (int8,
                                     # one bf16 scale per direction: about half the state's bytes)
 
@@ -105,6 +116,9 @@ class LowRankConfig(RefreshConfig):
         if isinstance(self.metric_window, bool) or not isinstance(self.metric_window, int) or self.metric_window < 0:
             raise ConfigError(f"{p}.metric_window must be a whole number of steps >= 0 (0: every gradient "
                               f"since the previous metric step), got {self.metric_window!r}")
+        if isinstance(self.metric_rank, bool) or not isinstance(self.metric_rank, int) or self.metric_rank < 0:
+            raise ConfigError(f"{p}.metric_rank must be a whole number >= 0 (0: the whole metric in bf16; k: its "
+                              f"k leading eigenvectors in int8), got {self.metric_rank!r}")
         if self.metric != "none" and self.reference != "none" and self.grad_basis != "forward":
             raise ConfigError(f"{p}.metric: \"{self.metric}\" needs the gradient on the forward's basis (the "
                               f"exact gradient of the coded forward); with reference \"base\" set "
@@ -184,6 +198,7 @@ class LowRankCodec(StatefulCodec):
             raise ValueError("lowrank codec: metric \"gradient\" needs grad_basis \"forward\" with a reference")
         self.metric_steps = frozenset(int(x) for x in cfg.metric_steps)
         self.metric_window = int(cfg.metric_window)
+        self.metric_rank = int(cfg.metric_rank)
         self.metric = None          # the sender's copy of the receiver's gradient metric (H, H), as sent
         self.enc = None             # the sender's analysis basis with a metric (W^1/2 V); else the basis
         self.metric_pending = False  # a metric crossed since the last state: the next step refits
@@ -221,7 +236,12 @@ class LowRankCodec(StatefulCodec):
         return self.metric_on and msg.metric and msg.train
 
     def grad_state_tensor_count(self, msg) -> int:
-        return 1 if self._metric_msg(msg) else 0
+        if not self._metric_msg(msg):
+            return 0
+        return 3 if self._metric_k(msg.hidden) else 1   # eigenvectors, their scales, eigenvalues
+
+    def _metric_k(self, hidden: int) -> int:
+        return min(self.metric_rank, hidden)
 
     def _metric_roots(self, device):
         """(W^1/2, W^-1/2) of the metric W = M + floor I, float64 on ``device``."""
@@ -264,6 +284,8 @@ class LowRankCodec(StatefulCodec):
             d.update(metric="gradient", metric_steps=sorted(self.metric_steps))
             if self.metric_window:
                 d.update(metric_window=self.metric_window)
+            if self.metric_rank:
+                d.update(metric_rank=self.metric_rank)
         return d
 
     @staticmethod
@@ -288,10 +310,7 @@ class LowRankCodec(StatefulCodec):
         scale per direction (its largest entry / 127), rounded to bf16 before use by both ends."""
         if self.state_bits != 8:
             return [u.to(STATE_DTYPE).contiguous()]
-        s = (u.abs().amax(0) / 127).to(STATE_DTYPE)
-        sf = s.float()
-        q = torch.round(u / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp_(-127, 127)
-        return [q.to(torch.int8).contiguous(), s.contiguous()]
+        return _int8_columns(u)
 
     def _basis_from_wire(self, bufs: list) -> torch.Tensor:
         if self.state_bits != 8:
@@ -447,27 +466,52 @@ class LowRankCodec(StatefulCodec):
             # the previous metric, this message's included; its upper triangle in bf16
             mom = self.grad_moments
             m = (mom.s2 / max(mom.n, 1)).float()
-            iu = torch.triu_indices(msg.hidden, msg.hidden, device=m.device)
-            out.append(m[iu[0], iu[1]].to(STATE_DTYPE).contiguous())
+            k = self._metric_k(msg.hidden)
+            if k:
+                # its k leading eigenvectors (int8, a bf16 scale each), their eigenvalues and the mean
+                # of the others (bf16)
+                ev, v = torch.linalg.eigh(m.double())
+                ev = ev.clamp_min(0.0)
+                rest = ev[:-k].mean() if k < msg.hidden else ev.new_zeros(())
+                out += _int8_columns(v[:, -k:].float())
+                out.append(torch.cat([ev[-k:], rest.view(1)]).to(STATE_DTYPE).contiguous())
+            else:
+                iu = torch.triu_indices(msg.hidden, msg.hidden, device=m.device)
+                out.append(m[iu[0], iu[1]].to(STATE_DTYPE).contiguous())
             self.grad_moments = RunningMoments(True)
             self.metric_pending = True
-            self.state_bytes_sent += out[0].numel() * out[0].element_size()
+            self.state_bytes_sent += sum(t.numel() * t.element_size() for t in out)
         gc = flat @ self._gbasis().to(g.device)
         return out + quantize_groups(gc, self.grad_groups)
 
     def gradient_buffers(self, msg, dtype, device):
         h = msg.hidden
-        st = [torch.empty(h * (h + 1) // 2, dtype=STATE_DTYPE, device=device)] if self._metric_msg(msg) else []
+        st = []
+        if self._metric_msg(msg):
+            k = self._metric_k(h)
+            st = ([torch.empty(h, k, dtype=torch.int8, device=device), torch.empty(k, dtype=STATE_DTYPE, device=device),
+                   torch.empty(k + 1, dtype=STATE_DTYPE, device=device)] if k else
+                  [torch.empty(h * (h + 1) // 2, dtype=STATE_DTYPE, device=device)])
         return st + self._coef_buffers(msg.tokens, device, self.grad_groups)
 
     def unpack_gradient(self, bufs, msg, dtype):
         if self._metric_msg(msg):
             h = msg.hidden
-            tri, bufs = bufs[0], bufs[1:]
-            iu = torch.triu_indices(h, h, device=tri.device)
-            m = torch.zeros(h, h, dtype=torch.float32, device=tri.device)
-            m[iu[0], iu[1]] = tri.float()
-            self.metric = m + m.T - torch.diag(m.diagonal())
+            k = self._metric_k(h)
+            if k:
+                q, sc, vals, bufs = bufs[0], bufs[1], bufs[2], bufs[3:]
+                # the int8 eigenvectors made orthonormal again (QR keeps their span and order), so
+                # the metric is symmetric with exactly the eigenvalues sent (>= 0)
+                v = torch.linalg.qr((q.float() * sc.float()).double())[0]
+                e = vals.double()
+                m = (v * e[:k]) @ v.T + e[k] * (torch.eye(h, dtype=torch.float64, device=v.device) - v @ v.T)
+                self.metric = m.float()
+            else:
+                tri, bufs = bufs[0], bufs[1:]
+                iu = torch.triu_indices(h, h, device=tri.device)
+                m = torch.zeros(h, h, dtype=torch.float32, device=tri.device)
+                m[iu[0], iu[1]] = tri.float()
+                self.metric = m + m.T - torch.diag(m.diagonal())
             self.metric_pending = True
         gc = dequantize_groups(bufs[0], bufs[1], self.grad_groups)
         return (gc @ self._gbasis_send().to(gc.device).T).to(dtype).view(msg.shape)
