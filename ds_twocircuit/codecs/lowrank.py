@@ -25,17 +25,18 @@ of a fine-tune, where ``x == ref``) that basis is fitted on the activations them
 steps train through their leading directions rather than arbitrary ones. The price is compute, not
 bytes: each end runs the base model's stages before the boundary once more, forward only.
 
-``metric: "gradient"``: what the loss sees of the boundary is not its energy. The receiver alone holds
-the dense gradient g of the loss at the boundary; on the first gradient message of each step in
-``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that message's
-included; default: step 0's and step 1's first; with ``metric_window`` w, only those of the w steps
-before it; its upper triangle in bf16, or with ``metric_rank`` k its k leading eigenvectors in int8
-and their eigenvalues, the others at their mean; counted as ``pp_grad_state``), and the next step's first activation message refits in the metric
-W = M + floor I: V the principal directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V,
-the receiver decodes with dec = W^-1/2 V (the basis shipped; the same state bytes), an oblique
-projection dec enc^T that keeps the drift along the directions the loss reacts to. The gradient goes
-back as enc Q(dec^T g), the exact gradient of that coded forward. Directions the gradients did not
-visit keep the floor's weight (a share of M's mean eigenvalue), so none is dropped outright.
+``metric: "gradient"``: what the loss sees of the boundary is not its energy. The receiver alone
+holds the dense gradient g of the loss at the boundary; on the first gradient message of each step
+in ``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that
+message's included; default: step 0's and step 1's first; with ``metric_window`` w, only those of
+the w steps before it; its upper triangle in bf16, or with ``metric_rank`` k its k leading
+eigenvectors in int8 and their eigenvalues, the others at their mean; counted as ``pp_grad_state``),
+and the next step's first activation message refits in the metric W = M + floor I: V the principal
+directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V, the receiver decodes with dec =
+W^-1/2 V (the basis shipped; the same state bytes), an oblique projection dec enc^T that keeps the
+drift along the directions the loss reacts to. The gradient goes back as enc Q(dec^T g), the exact
+gradient of that coded forward. Directions the gradients did not visit keep the floor's weight (a
+share of M's mean eigenvalue), so none is dropped outright.
 """
 from __future__ import annotations
 
@@ -463,7 +464,7 @@ class LowRankCodec(StatefulCodec):
             self.grad_moments.add(flat)
         if self._metric_msg(msg):
             # the metric: the second moment of the dense gradients (the receiver alone sees them) since
-            # the previous metric, this message's included; its upper triangle in bf16
+            # the previous metric (or over its window), this message's included
             mom = self.grad_moments
             m = (mom.s2 / max(mom.n, 1)).float()
             k = self._metric_k(msg.hidden)
@@ -489,7 +490,8 @@ class LowRankCodec(StatefulCodec):
         st = []
         if self._metric_msg(msg):
             k = self._metric_k(h)
-            st = ([torch.empty(h, k, dtype=torch.int8, device=device), torch.empty(k, dtype=STATE_DTYPE, device=device),
+            st = ([torch.empty(h, k, dtype=torch.int8, device=device),
+                   torch.empty(k, dtype=STATE_DTYPE, device=device),
                    torch.empty(k + 1, dtype=STATE_DTYPE, device=device)] if k else
                   [torch.empty(h * (h + 1) // 2, dtype=STATE_DTYPE, device=device)])
         return st + self._coef_buffers(msg.tokens, device, self.grad_groups)
