@@ -71,6 +71,11 @@ def _int8_columns(u) -> list:
     return [q.to(torch.int8).contiguous(), s.contiguous()]
 
 
+def _from_int8_columns(q, s) -> torch.Tensor:
+    """The float (H, r) that :func:`_int8_columns` sent."""
+    return q.float() * s.float()
+
+
 @dataclass(frozen=True)
 class LowRankConfig(RefreshConfig):
     """``twocircuit.codec`` of ``lowrank``."""
@@ -317,7 +322,7 @@ class LowRankCodec(StatefulCodec):
         if self.state_bits != 8:
             return bufs.pop(0).float()
         q, s = bufs.pop(0), bufs.pop(0)
-        return q.float() * s.float()
+        return _from_int8_columns(q, s)
 
     def _set_state(self, *wire):
         rest = list(wire)
@@ -504,7 +509,7 @@ class LowRankCodec(StatefulCodec):
                 q, sc, vals, bufs = bufs[0], bufs[1], bufs[2], bufs[3:]
                 # the int8 eigenvectors made orthonormal again (QR keeps their span and order), so
                 # the metric is symmetric with exactly the eigenvalues sent (>= 0)
-                v = torch.linalg.qr((q.float() * sc.float()).double())[0]
+                v = torch.linalg.qr(_from_int8_columns(q, sc).double())[0]
                 e = vals.double()
                 m = (v * e[:k]) @ v.T + e[k] * (torch.eye(h, dtype=torch.float64, device=v.device) - v @ v.T)
                 self.metric = m.float()
