@@ -511,6 +511,8 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "metric": "fisher"}, "twocircuit.codec.metric"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_steps": []}, "twocircuit.codec.metric_steps"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_window": -1}, "twocircuit.codec.metric_window must be"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": -5}, "twocircuit.codec.metric_every must be"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": True}, "twocircuit.codec.metric_every must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_window": 2.5}, "twocircuit.codec.metric_window must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_rank": -2}, "twocircuit.codec.metric_rank must be"),
     ({"groups": [[8, 4]], "metric": "gradient", "reference": "base"},
@@ -833,3 +835,18 @@ def test_lowrank_metric_accumulates_the_gradients_since_the_last_one_sent():
              for st, f in [(0, True), (0, False), (1, True), (1, False), (2, True), (3, False), (4, True),
                            (5, False), (6, True), (6, False), (7, True)]]
     assert flags == [True, True, True, False, False, False, True, True, True, False, False]
+    # metric_every 5 after metric_steps [1] with window 2: metrics on steps 1, 6, 11, ... and the same
+    # flags as the steps listed out, on every step of a long run
+    r4 = build_codec("lowrank", cfg=dict(cfg, metric_steps=[1], metric_every=5, metric_window=2))
+    r5 = build_codec("lowrank", cfg=dict(cfg, metric_steps=list(range(1, 400, 5)), metric_window=2))
+    assert r4.describe()["metric_every"] == 5 and "metric_every" not in r5.describe()
+    for st in range(200):
+        for f in (True, False):
+            a, b = (r.message(9, (T, H), st, first_of_step=f, train=True, kind="grad") for r in (r4, r5))
+            assert (a.collect, a.metric) == (b.collect, b.metric), (st, f)
+    assert [st for st in range(30) if r4.metric_due(st)] == [1, 6, 11, 16, 21, 26]
+    assert [st for st in range(13) if r4.metric_collects(st, False)] == [0, 4, 5, 9, 10]
+    # without a window it collects on every step: each metric holds the gradients since the previous one
+    r6 = build_codec("lowrank", cfg=dict(cfg, metric_steps=[0, 3], metric_every=4))
+    assert [st for st in range(16) if r6.metric_due(st)] == [0, 3, 7, 11, 15]
+    assert all(r6.metric_collects(st, False) for st in range(300))

@@ -28,9 +28,10 @@ bytes: each end runs the base model's stages before the boundary once more, forw
 ``metric: "gradient"``: what the loss sees of the boundary is not its energy. The receiver alone
 holds the dense gradient g of the loss at the boundary; on the first gradient message of each step
 in ``metric_steps`` it sends back M = g^T g / T over its gradients since the previous one (that
-message's included; default: step 0's and step 1's first; with ``metric_window`` w, only those of
-the w steps before it; its upper triangle in bf16, or with ``metric_rank`` k its k leading
-eigenvectors in int8 and their eigenvalues, the others at their mean; counted as ``pp_grad_state``),
+message's included; default: step 0's and step 1's first; with ``metric_every`` n, also every n
+steps after the last one listed; with ``metric_window`` w, only those of the w steps before it; its
+upper triangle in bf16, or with ``metric_rank`` k its k leading eigenvectors in int8 and their
+eigenvalues, the others at their mean; counted as ``pp_grad_state``),
 and the next step's first activation message refits in the metric W = M + floor I: V the principal
 directions of W^1/2 cov W^1/2, the sender codes with enc = W^1/2 V, the receiver decodes with dec =
 W^-1/2 V (the basis shipped; the same state bytes), an oblique projection dec enc^T that keeps the
@@ -93,6 +94,8 @@ class LowRankConfig(RefreshConfig):
     metric_steps: list = field(default_factory=lambda: [1])  # steps whose first gradient message
                                     # carries the metric: the receiver's gradients since the previous
                                     # one (default: all of step 0's and step 1's first message's)
+    metric_every: int = 0           # > 0: after the last of ``metric_steps``, a metric every this many
+                                    # steps for the rest of the run (0: only the steps listed)
     metric_window: int = 0          # > 0: a metric step s takes only the gradients of steps
                                     # s - metric_window .. s - 1 (and s's first message), so a metric
                                     # refitted late in a run measures where the model is then; 0: all
@@ -119,6 +122,9 @@ class LowRankConfig(RefreshConfig):
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.metric_steps)):
             raise ConfigError(f"{p}.metric_steps must be a non-empty list of step numbers >= 0 (steps whose "
                               f"first gradient message carries the metric), got {self.metric_steps!r}")
+        if isinstance(self.metric_every, bool) or not isinstance(self.metric_every, int) or self.metric_every < 0:
+            raise ConfigError(f"{p}.metric_every must be a whole number of steps >= 0 (0: only the steps in "
+                              f"metric_steps; n: then every n steps), got {self.metric_every!r}")
         if isinstance(self.metric_window, bool) or not isinstance(self.metric_window, int) or self.metric_window < 0:
             raise ConfigError(f"{p}.metric_window must be a whole number of steps >= 0 (0: every gradient "
                               f"since the previous metric step), got {self.metric_window!r}")
@@ -203,6 +209,8 @@ class LowRankCodec(StatefulCodec):
         if self.metric_on and self.own_grad_basis:
             raise ValueError("lowrank codec: metric \"gradient\" needs grad_basis \"forward\" with a reference")
         self.metric_steps = frozenset(int(x) for x in cfg.metric_steps)
+        self.metric_every = int(cfg.metric_every)
+        self._metric_last = max(self.metric_steps)
         self.metric_window = int(cfg.metric_window)
         self.metric_rank = int(cfg.metric_rank)
         self.metric = None          # the sender's copy of the receiver's gradient metric (H, H), as sent
@@ -223,16 +231,31 @@ class LowRankCodec(StatefulCodec):
         # basis of its own, ``moments_x`` the activations themselves (that basis)
         self.moments_x = RunningMoments(True) if self.own_grad_basis else None
 
+    def _is_metric_step(self, step: int) -> bool:
+        e, last = self.metric_every, self._metric_last
+        return step in self.metric_steps or (e > 0 and step > last and (step - last) % e == 0)
+
+    def _next_metric_step(self, step: int):
+        """The first metric step after ``step``, or None when there is none."""
+        later = [s for s in self.metric_steps if s > step]
+        if later:
+            return min(later)
+        e, last = self.metric_every, self._metric_last
+        return last + e * ((step - last) // e + 1) if e > 0 else None
+
     def metric_due(self, step: int) -> bool:
-        return self.metric_on and step in self.metric_steps
+        return self.metric_on and self._is_metric_step(step)
 
     def metric_collects(self, step: int, first: bool) -> bool:
-        # every training gradient up to and including the first message of the last metric step (with
-        # a window, only those of the window's steps before each): a pure function of the step, so a
+        # every training gradient up to and including the first message of the next metric step (with
+        # a window, only those of the window's steps before it): a pure function of the step, so a
         # run that turns the metric on at a resume past its last metric step collects nothing
-        w = self.metric_window
-        return self.metric_on and any((s > step and (w == 0 or step >= s - w)) or (s == step and first)
-                                      for s in self.metric_steps)
+        if not self.metric_on:
+            return False
+        if first and self._is_metric_step(step):
+            return True
+        nxt, w = self._next_metric_step(step), self.metric_window
+        return nxt is not None and (w == 0 or step >= nxt - w)
 
     def carries_state(self, msg) -> bool:
         # a metric that crossed the link is fitted at the next step's first activation message
@@ -288,6 +311,8 @@ class LowRankCodec(StatefulCodec):
             d.update(state_bits=self.state_bits)
         if self.metric_on:
             d.update(metric="gradient", metric_steps=sorted(self.metric_steps))
+            if self.metric_every:
+                d.update(metric_every=self.metric_every)
             if self.metric_window:
                 d.update(metric_window=self.metric_window)
             if self.metric_rank:
