@@ -391,11 +391,11 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
 
 
 def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200s_sync():
-    """ds_configs/lowrank20_metric98_dp200.json (issue 27's full stack): exactly the codec study's
-    candidate with the sync whose quality fullstack.md measures alone (dense_dp200.json), so the two
-    compressions' costs can be told apart."""
-    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_dp200.json")))
-    codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
+    """ds_configs/lowrank20_metric98_m20_dp200.json (issue 27's full stack): exactly the codec study's
+    candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
+    (dense_dp200.json), so the two compressions' costs can be told apart."""
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200.json")))
+    codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
     sync = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
     assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
@@ -438,3 +438,54 @@ def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     assert per_token + H * (H + 1) / T < H * 2 / 20   # the metric's bf16 upper triangle, once, back
     for r in screen:   # the screen's state bytes are its 3 refits' (steps 0, 2, 8) on each of 2 replicas
         assert r["pp_codec_state_bytes"] == 3 * 2 * state and r["pp_grad_state_bytes"] == 2 * H * (H + 1)
+
+
+def test_lowrank20_metric98_m20_is_the_candidate_with_the_screened_metric_refits():
+    """ds_configs/lowrank20_metric98_m20.json is lowrank20_metric98.json with the gradient metric sent again
+    every 20 steps (metric_every; window 8, rank 128), the codec20 screen's lowrank20_metric98_m20w8k128
+    row: that row listed the steps (1, 21, ..., 101) for its 123 steps, and the file's metric steps are
+    the same through step 120. Its bytes from the file over the study's 123 steps of 1,024 tokens a
+    replica: the forward with its refits (a metric crossing on step s refits on step s + 1, off the
+    10-step schedule only at 22) and the backward with seven rank-128 metrics both stay under 1/20 of
+    SmolLM2's bf16 boundary (57.6)."""
+    root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
+            if line.strip()]
+    study = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl"))
+             if line.strip()]
+    shipped = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
+    base = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
+    assert shipped == apply_overrides(base, ["twocircuit.codec.metric_every=20", "twocircuit.codec.metric_window=8",
+                                             "twocircuit.codec.metric_rank=128"])
+    from ds_twocircuit.codecs import build_codec
+    from ds_twocircuit.codecs.lowrank import LowRankConfig
+    screen = [r for r in rows if r["label"] == "lowrank20_metric98_m20w8k128"]
+    assert screen and all(r["config"] == "ds_configs/lowrank20_metric98.json" for r in screen)
+    for r in screen:
+        ran = apply_overrides(base, r["overrides"])["twocircuit"]["codec"]
+        a, b = build_codec("lowrank", cfg=ran), build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
+        assert [s for s in range(121) if a.metric_due(s)] == [s for s in range(121) if b.metric_due(s)] \
+            == [1, 21, 41, 61, 81, 101]
+        # the gradients each metric takes, too (from step 113 the file collects for its step-121 metric)
+        assert all(a.metric_collects(s, f) == b.metric_collects(s, f) for s in range(113) for f in (True, False))
+        assert not a.metric_collects(113, True) and b.metric_collects(113, True)
+    own = [r for r in rows + study if r["label"] == "lowrank20_metric98_m20"]
+    assert all(r["config"] == "ds_configs/lowrank20_metric98_m20.json" and r["overrides"] == [] for r in own)
+    codec = vars(LowRankConfig(**shipped["twocircuit"]["codec"]))
+    H, T, steps = 576, 123 * 1024, 123
+    b = build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
+    metrics = [s for s in range(steps) if b.metric_due(s)]
+    assert metrics == [1, 21, 41, 61, 81, 101, 121]
+    rank, last, every = sum(n for n, _ in codec["groups"]), max(codec["refresh_steps"]), codec["refresh_every"]
+    refits = set(codec["refresh_steps"]) | set(range(last + every, steps, every)) | {s + 1 for s in metrics if s + 1 < steps}
+    assert len(refits) == 14 and sorted(refits - set(range(last + every, steps, every)) - set(codec["refresh_steps"])) == [22]
+    per_token = sum(n * b_ for n, b_ in codec["groups"]) / 8 + 2
+    state = rank * H + rank * 2 + H * 2 + rank * 2
+    k = codec["metric_rank"]
+    metric_bytes = H * k + k * 2 + (k + 1) * 2      # int8 eigenvectors, their bf16 scales, k + 1 bf16 eigenvalues
+    assert metric_bytes == 74242
+    fwd, bwd = per_token + len(refits) * state / T, per_token + len(metrics) * metric_bytes / T
+    assert bwd < fwd <= H * 2 / 20
+    for r in screen:   # the screen's 123 steps: 6 metrics (its list ends at 101) and the same 14 refits
+        assert r["pp_grad_state_bytes"] == 2 * 6 * metric_bytes
+        assert r["pp_codec_state_bytes"] == 2 * len(refits) * state
