@@ -463,23 +463,23 @@ def test_lowrank20_metric98_m20_is_the_candidate_with_the_screened_metric_refits
     assert screen and all(r["config"] == "ds_configs/lowrank20_metric98.json" for r in screen)
     for r in screen:
         ran = apply_overrides(base, r["overrides"])["twocircuit"]["codec"]
-        a, b = build_codec("lowrank", cfg=ran), build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
-        assert [s for s in range(121) if a.metric_due(s)] == [s for s in range(121) if b.metric_due(s)] \
+        listed, every = build_codec("lowrank", cfg=ran), build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
+        assert [s for s in range(121) if listed.metric_due(s)] == [s for s in range(121) if every.metric_due(s)] \
             == [1, 21, 41, 61, 81, 101]
         # the gradients each metric takes, too (from step 113 the file collects for its step-121 metric)
-        assert all(a.metric_collects(s, f) == b.metric_collects(s, f) for s in range(113) for f in (True, False))
-        assert not a.metric_collects(113, True) and b.metric_collects(113, True)
+        assert all(listed.metric_collects(s, f) == every.metric_collects(s, f) for s in range(113) for f in (True, False))
+        assert not listed.metric_collects(113, True) and every.metric_collects(113, True)
     own = [r for r in rows + study if r["label"] == "lowrank20_metric98_m20"]
     assert all(r["config"] == "ds_configs/lowrank20_metric98_m20.json" and r["overrides"] == [] for r in own)
     codec = vars(LowRankConfig(**shipped["twocircuit"]["codec"]))
     H, T, steps = 576, 123 * 1024, 123
-    b = build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
-    metrics = [s for s in range(steps) if b.metric_due(s)]
+    shipped_codec = build_codec("lowrank", cfg=shipped["twocircuit"]["codec"])
+    metrics = [s for s in range(steps) if shipped_codec.metric_due(s)]
     assert metrics == [1, 21, 41, 61, 81, 101, 121]
     rank, last, every = sum(n for n, _ in codec["groups"]), max(codec["refresh_steps"]), codec["refresh_every"]
     refits = set(codec["refresh_steps"]) | set(range(last + every, steps, every)) | {s + 1 for s in metrics if s + 1 < steps}
     assert len(refits) == 14 and sorted(refits - set(range(last + every, steps, every)) - set(codec["refresh_steps"])) == [22]
-    per_token = sum(n * b_ for n, b_ in codec["groups"]) / 8 + 2
+    per_token = sum(n * b for n, b in codec["groups"]) / 8 + 2
     state = rank * H + rank * 2 + H * 2 + rank * 2
     k = codec["metric_rank"]
     metric_bytes = H * k + k * 2 + (k + 1) * 2      # int8 eigenvectors, their bf16 scales, k + 1 bf16 eigenvalues

@@ -70,6 +70,12 @@ def test_refresh_schedule():
     r = RefreshSchedule([0, 1, 3], every=10)
     assert [s for s in range(40) if r.due(s)] == [0, 1, 3, 13, 23, 33]
     assert [s for s in range(40) if RefreshSchedule([2]).due(s)] == [2]
+    # next_after: the first due step strictly after, for every step (checked against due), or None
+    for sched in (r, RefreshSchedule([2]), RefreshSchedule([5, 7], every=4)):
+        for st in range(60):
+            later = [s for s in range(st + 1, 200) if sched.due(s)]
+            assert sched.next_after(st) == (later[0] if later else None), (sched.steps, st)
+    assert r.next_after(3) == 13 and r.next_after(13) == 23 and RefreshSchedule([2]).next_after(2) is None
 
 
 def _pair(groups=((8, 8), (16, 4)), refresh=(0, 2)):
@@ -510,11 +516,11 @@ def test_lowrank_grad_groups_without_reference_use_the_leading_directions():
     ({"groups": [[8, 4]], "state_bits": True}, "twocircuit.codec.state_bits"),
     ({"groups": [[8, 4]], "metric": "fisher"}, "twocircuit.codec.metric"),
     ({"groups": [[8, 4]], "metric": "gradient", "metric_steps": []}, "twocircuit.codec.metric_steps"),
-    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": -1}, "twocircuit.codec.metric_window must be"),
-    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": -5}, "twocircuit.codec.metric_every must be"),
-    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": True}, "twocircuit.codec.metric_every must be"),
-    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": 2.5}, "twocircuit.codec.metric_window must be"),
-    ({"groups": [[8, 4]], "metric": "gradient", "metric_rank": -2}, "twocircuit.codec.metric_rank must be"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": -1}, "twocircuit.codec.metric_window = -1 is outside"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": -5}, "twocircuit.codec.metric_every = -5 is outside"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_every": True}, "twocircuit.codec.metric_every must be an integer"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_window": 2.5}, "twocircuit.codec.metric_window must be an integer"),
+    ({"groups": [[8, 4]], "metric": "gradient", "metric_rank": -2}, "twocircuit.codec.metric_rank = -2 is outside"),
     ({"groups": [[8, 4]], "metric": "gradient", "reference": "base"},
      "twocircuit.codec.metric: \"gradient\" needs the gradient on the forward's basis"),
 ])

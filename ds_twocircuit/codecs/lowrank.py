@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..configkit import ConfigError, check_choice
+from ..configkit import ConfigError, check_choice, check_range
 from .base import register_codec
 from .quant import SCALE_DTYPE, check_groups, dequantize_groups, group_bytes, quantize_groups
-from .stateful import RefreshConfig, RunningMoments, StatefulCodec
+from .stateful import RefreshConfig, RefreshSchedule, RunningMoments, StatefulCodec
 
 STATE_DTYPE = torch.bfloat16
 STATE_BITS = (16, 8)      # a basis entry on the wire: bf16, or int8 with one bf16 scale per direction
@@ -122,15 +122,8 @@ class LowRankConfig(RefreshConfig):
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.metric_steps)):
             raise ConfigError(f"{p}.metric_steps must be a non-empty list of step numbers >= 0 (steps whose "
                               f"first gradient message carries the metric), got {self.metric_steps!r}")
-        if isinstance(self.metric_every, bool) or not isinstance(self.metric_every, int) or self.metric_every < 0:
-            raise ConfigError(f"{p}.metric_every must be a whole number of steps >= 0 (0: only the steps in "
-                              f"metric_steps; n: then every n steps), got {self.metric_every!r}")
-        if isinstance(self.metric_window, bool) or not isinstance(self.metric_window, int) or self.metric_window < 0:
-            raise ConfigError(f"{p}.metric_window must be a whole number of steps >= 0 (0: every gradient "
-                              f"since the previous metric step), got {self.metric_window!r}")
-        if isinstance(self.metric_rank, bool) or not isinstance(self.metric_rank, int) or self.metric_rank < 0:
-            raise ConfigError(f"{p}.metric_rank must be a whole number >= 0 (0: the whole metric in bf16; k: its "
-                              f"k leading eigenvectors in int8), got {self.metric_rank!r}")
+        for name in ("metric_every", "metric_window", "metric_rank"):   # integers (typed_fields) >= 0
+            check_range(getattr(self, name), f"{p}.{name}", 0, 1 << 30)
         if self.metric != "none" and self.reference != "none" and self.grad_basis != "forward":
             raise ConfigError(f"{p}.metric: \"{self.metric}\" needs the gradient on the forward's basis (the "
                               f"exact gradient of the coded forward); with reference \"base\" set "
@@ -208,9 +201,9 @@ class LowRankCodec(StatefulCodec):
         self.metric_on = cfg.metric == "gradient"
         if self.metric_on and self.own_grad_basis:
             raise ValueError("lowrank codec: metric \"gradient\" needs grad_basis \"forward\" with a reference")
-        self.metric_steps = frozenset(int(x) for x in cfg.metric_steps)
-        self.metric_every = int(cfg.metric_every)
-        self._metric_last = max(self.metric_steps)
+        # the steps whose first gradient message carries the metric: the listed ones, then every
+        # ``metric_every`` (the refresh schedule's rule)
+        self.metric_schedule = RefreshSchedule(cfg.metric_steps, cfg.metric_every)
         self.metric_window = int(cfg.metric_window)
         self.metric_rank = int(cfg.metric_rank)
         self.metric = None          # the sender's copy of the receiver's gradient metric (H, H), as sent
@@ -231,20 +224,8 @@ class LowRankCodec(StatefulCodec):
         # basis of its own, ``moments_x`` the activations themselves (that basis)
         self.moments_x = RunningMoments(True) if self.own_grad_basis else None
 
-    def _is_metric_step(self, step: int) -> bool:
-        e, last = self.metric_every, self._metric_last
-        return step in self.metric_steps or (e > 0 and step > last and (step - last) % e == 0)
-
-    def _next_metric_step(self, step: int):
-        """The first metric step after ``step``, or None when there is none."""
-        later = [s for s in self.metric_steps if s > step]
-        if later:
-            return min(later)
-        e, last = self.metric_every, self._metric_last
-        return last + e * ((step - last) // e + 1) if e > 0 else None
-
     def metric_due(self, step: int) -> bool:
-        return self.metric_on and self._is_metric_step(step)
+        return self.metric_on and self.metric_schedule.due(step)
 
     def metric_collects(self, step: int, first: bool) -> bool:
         # every training gradient up to and including the first message of the next metric step (with
@@ -252,9 +233,9 @@ class LowRankCodec(StatefulCodec):
         # run that turns the metric on at a resume past its last metric step collects nothing
         if not self.metric_on:
             return False
-        if first and self._is_metric_step(step):
+        if first and self.metric_schedule.due(step):
             return True
-        nxt, w = self._next_metric_step(step), self.metric_window
+        nxt, w = self.metric_schedule.next_after(step), self.metric_window
         return nxt is not None and (w == 0 or step >= nxt - w)
 
     def carries_state(self, msg) -> bool:
@@ -310,9 +291,9 @@ class LowRankCodec(StatefulCodec):
         if self.state_bits != 16:
             d.update(state_bits=self.state_bits)
         if self.metric_on:
-            d.update(metric="gradient", metric_steps=sorted(self.metric_steps))
-            if self.metric_every:
-                d.update(metric_every=self.metric_every)
+            d.update(metric="gradient", metric_steps=self.metric_schedule.steps)
+            if self.metric_schedule.every:
+                d.update(metric_every=self.metric_schedule.every)
             if self.metric_window:
                 d.update(metric_window=self.metric_window)
             if self.metric_rank:

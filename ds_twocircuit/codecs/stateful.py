@@ -29,6 +29,14 @@ class RefreshSchedule:
         last = self.steps[-1] if self.steps else 0
         return self.every > 0 and step > last and (step - last) % self.every == 0
 
+    def next_after(self, step: int):
+        """The first due step after ``step``, or None when no later step is due."""
+        later = [s for s in self.steps if s > step]
+        if later:
+            return later[0]
+        last = self.steps[-1] if self.steps else 0
+        return last + self.every * (max(step - last, 0) // self.every + 1) if self.every > 0 else None
+
 
 @dataclass(frozen=True)
 class RefreshConfig:
