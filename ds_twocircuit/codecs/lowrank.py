@@ -123,7 +123,7 @@ class LowRankConfig(RefreshConfig):
             raise ConfigError(f"{p}.metric_steps must be a non-empty list of step numbers >= 0 (steps whose "
                               f"first gradient message carries the metric), got {self.metric_steps!r}")
         for name in ("metric_every", "metric_window", "metric_rank"):   # integers (typed_fields) >= 0
-            check_range(getattr(self, name), f"{p}.{name}", 0, 1 << 30)
+            check_range(getattr(self, name), f"{p}.{name}", 0)
         if self.metric != "none" and self.reference != "none" and self.grad_basis != "forward":
             raise ConfigError(f"{p}.metric: \"{self.metric}\" needs the gradient on the forward's basis (the "
                               f"exact gradient of the coded forward); with reference \"base\" set "
