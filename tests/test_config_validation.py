@@ -47,7 +47,7 @@ def test_shipped_configs_validate(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".json")))
 def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name):
-    is_dp = re.search(r"_dp\d*$", name) is not None      # m95_dp, lowrank_dp100: a compressed DP sync
+    is_dp = re.search(r"_dp\d*(_olr\d+)?$", name) is not None   # m95_dp, lowrank_dp100, dense_dp200_olr15: a compressed DP sync
     dp = 2 if is_dp else 1
     z = 1 if "_ap" in name else 0
     argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
@@ -489,3 +489,21 @@ def test_lowrank20_metric98_m20_is_the_candidate_with_the_screened_metric_refits
     for r in screen:   # the screen's 123 steps: 6 metrics (its list ends at 101) and the same 14 refits
         assert r["pp_grad_state_bytes"] == 2 * 6 * metric_bytes
         assert r["pp_codec_state_bytes"] == 2 * len(refits) * state
+
+
+def test_dense_dp200_olr15_is_the_screened_outer_lr():
+    """ds_configs/dense_dp200_olr15.json is dense_dp200.json with the override of fullstack_screen.jsonl's
+    dp200_olr15 rows (outer lr 1.5), screened on both domains before the file existed, so that its
+    250k-token rows train what was screened; dense_dp200.json itself, and its measured rows, stay as they
+    were."""
+    root = os.path.dirname(CONFIGS)
+    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "fullstack_screen.jsonl"))
+            if line.strip()]
+    screened = [r for r in rows if r["label"] == "dp200_olr15"]
+    assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
+    assert {(r["config"], tuple(r["overrides"])) for r in screened} == \
+        {("ds_configs/dense_dp200.json", ("twocircuit.dp.outer_lr=1.5",))}
+    shipped = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
+    base = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
+    assert shipped == apply_overrides(base, ["twocircuit.dp.outer_lr=1.5"]) and shipped != base
+    assert base["twocircuit"]["dp"]["outer_lr"] == 1.0
