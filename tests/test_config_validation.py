@@ -390,14 +390,16 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
             assert named == apply_overrides(ran, r["ran_as"]["overrides"]), r["ran_as"]
 
 
-def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200s_sync():
-    """ds_configs/lowrank20_metric98_m20_dp200.json (issue 27's full stack): exactly the codec study's
+def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200_olr15s_sync():
+    """ds_configs/lowrank20_metric98_m20_dp200_olr15.json (issue 27's full stack): exactly the codec study's
     candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
-    (dense_dp200.json), so the two compressions' costs can be told apart."""
-    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200.json")))
+    (dense_dp200_olr15.json: dense_dp200.json's 4-bit sync at outer lr 1.5), so the two compressions'
+    costs can be told apart."""
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15.json")))
     codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
-    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
+    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
     assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
+    assert stack["twocircuit"]["dp"]["outer_lr"] == 1.5
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
