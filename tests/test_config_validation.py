@@ -323,6 +323,12 @@ def test_device_is_the_reference_engines_and_must_exist(tmp_path):
 SHIPPED_SYNC = "dp100_q4_f4_tau4"     # the fullstack_screen.jsonl rows the shipped 4-bit sync comes from
 
 
+def _benchmark_rows(name: str) -> list[dict]:
+    """Every row of docs/benchmarks/<name>.jsonl, in file order (reruns included)."""
+    with open(os.path.join(os.path.dirname(CONFIGS), "docs", "benchmarks", f"{name}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 @pytest.mark.parametrize("shipped, screened", [("dense_dp200", "dp100_q4"), ("lowrank_dp200", "lowrank_dp100_q4")])
 def test_dp200_configs_are_the_screened_files(shipped, screened):
     """README's quality claims for the 4-bit sync come from fullstack_screen.jsonl, whose rows ran
@@ -330,8 +336,7 @@ def test_dp200_configs_are_the_screened_files(shipped, screened):
     overlap window) as the --set overrides of its SHIPPED_SYNC rows: the shipped file must be that
     config."""
     root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "fullstack_screen.jsonl"))
-            if line.strip()]
+    rows = _benchmark_rows("fullstack_screen")
     screened_rows = [r for r in rows if r["label"] == SHIPPED_SYNC]
     assert screened_rows
     overrides = {tuple(r["overrides"]) for r in screened_rows}
@@ -348,9 +353,7 @@ def test_lowrank20_is_the_screened_drift_layout():
     """codec20_drift_screen.jsonl's lowrank_base_f88_gradfwd_every10 rows ran ds_configs/lowrank.json
     with --set overrides: the shipped lowrank20.json must be exactly that config, so that a user who
     runs the file trains what was measured (and the next seeds can run the file itself)."""
-    root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
-            if line.strip()]
+    rows = _benchmark_rows("codec20_drift_screen")
     screened = [r for r in rows if r["label"] == "lowrank_base_f88_gradfwd_every10"]
     assert screened
     shipped = json.load(open(os.path.join(CONFIGS, "lowrank20.json")))
@@ -378,7 +381,7 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
     that ran under another name (a screen's label, or lowrank.json + --set overrides before the file
     existed) keeps that in ``ran_as``, and what it ran must be exactly the file it names now."""
     root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl")) if line.strip()]
+    rows = _benchmark_rows("quality")
     assert {r["domain"] for r in rows} == {"sympy", "deepspeed-cpp"}
     moved = [r for r in rows if "ran_as" in r]
     assert moved
@@ -411,17 +414,14 @@ def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
     basis in int8), so its runs train what was screened. Its bytes from the file: 51 a token each way
     plus the refits' state, which over the study's 123 steps of 1,024 tokens a replica keeps the forward
     under 1/20 of SmolLM2's bf16 boundary (57.6), and the metric's one upper triangle back."""
-    root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
-            if line.strip()]
+    rows = _benchmark_rows("codec20_drift_screen")
     screen = [r for r in rows if r["label"] == "lowrank20_metric_f98_s8"]
     assert screen and all(r["config"] == "ds_configs/lowrank20.json" for r in screen)
     shipped = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
     base = json.load(open(os.path.join(CONFIGS, "lowrank20.json")))
     for r in screen:
         assert shipped == apply_overrides(base, r["overrides"])
-    study = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl"))
-             if line.strip()]
+    study = _benchmark_rows("quality")
     own = [r for r in rows + study if r["label"] == "lowrank20_metric98"]
     assert own and all(r["config"] == "ds_configs/lowrank20_metric98.json" and r["overrides"] == []
                        for r in own)   # the rows under the file's name ran it without overrides
@@ -450,11 +450,8 @@ def test_lowrank20_metric98_m20_is_the_candidate_with_the_screened_metric_refits
     replica: the forward with its refits (a metric crossing on step s refits on step s + 1, off the
     10-step schedule only at 22) and the backward with seven rank-128 metrics both stay under 1/20 of
     SmolLM2's bf16 boundary (57.6)."""
-    root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "codec20_drift_screen.jsonl"))
-            if line.strip()]
-    study = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "quality.jsonl"))
-             if line.strip()]
+    rows = _benchmark_rows("codec20_drift_screen")
+    study = _benchmark_rows("quality")
     shipped = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
     base = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98.json")))
     assert shipped == apply_overrides(base, ["twocircuit.codec.metric_every=20", "twocircuit.codec.metric_window=8",
@@ -498,9 +495,7 @@ def test_dense_dp200_olr15_is_the_screened_outer_lr():
     dp200_olr15 rows (outer lr 1.5), screened on both domains before the file existed, so that its
     250k-token rows train what was screened; dense_dp200.json itself, and its measured rows, stay as they
     were."""
-    root = os.path.dirname(CONFIGS)
-    rows = [json.loads(line) for line in open(os.path.join(root, "docs", "benchmarks", "fullstack_screen.jsonl"))
-            if line.strip()]
+    rows = _benchmark_rows("fullstack_screen")
     screened = [r for r in rows if r["label"] == "dp200_olr15"]
     assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
     assert {(r["config"], tuple(r["overrides"])) for r in screened} == \
