@@ -504,3 +504,21 @@ def test_dense_dp200_olr15_is_the_screened_outer_lr():
     base = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
     assert shipped == apply_overrides(base, ["twocircuit.dp.outer_lr=1.5"]) and shipped != base
     assert base["twocircuit"]["dp"]["outer_lr"] == 1.0
+
+
+def test_delayed_screen_config_is_the_dp_candidate_with_the_delayed_rule():
+    """fullstack_screen.md reads dp200_olr15_delayed as dense_dp200_olr15.json with the 50/50 mix
+    replaced by the delayed merge rule, nothing else: the screen-only file must be exactly that (and
+    valid), and its row must have run that file."""
+    root = os.path.dirname(CONFIGS)
+    rel = "docs/benchmarks/fullstack_screen_configs/dp200_olr15_delayed.json"
+    screen = json.load(open(os.path.join(root, rel)))
+    base = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
+    dp = dict(base["twocircuit"]["dp"])
+    assert dp.pop("merge_alpha") == 0.5 and "merge_rule" not in dp
+    expected = {**base, "twocircuit": {**base["twocircuit"], "dp": {**dp, "merge_rule": "delayed"}}}
+    assert screen == expected
+    cfg = TwoCircuitConfig.from_dict(screen["twocircuit"]).dp
+    assert (cfg.merge_rule, cfg.overlap_steps, cfg.outer_lr) == ("delayed", 4, 1.5)
+    rows = [r for r in _benchmark_rows("fullstack_screen") if r["label"] == "dp200_olr15_delayed"]
+    assert rows and {(r["config"], tuple(r["overrides"])) for r in rows} == {(rel, ())}
