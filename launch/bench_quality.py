@@ -73,7 +73,8 @@ def parse(argv=None):
                         "than bf16 (default 20)")
     p.add_argument("--min-dp-ratio", type=float, default=0.0,
                    help="--report: ... and at least this many times fewer DP bytes in the training loop than "
-                        "the baseline's all-reduce (default 0: no DP condition)")
+                        "the baseline's all-reduce, both as a bf16 run sends them (the study runs in fp32; "
+                        "default 0: no DP condition)")
     p.add_argument("--within", type=float, default=0.01,
                    help="--report: ... and a held-out loss within this fraction of the baseline's (default 0.01)")
     p.add_argument("--min-seeds", type=int, default=2,
@@ -330,24 +331,50 @@ def summarise(rows: list[dict], baseline: str) -> list[dict]:
             "pp_bytes_per_token_bwd": rs[0].get("pp_bytes_per_token_bwd"),
             "dp_bytes": rs[0]["dp_bytes"], "anchor_bytes": rs[0]["anchor_bytes"],
             "dp": rs[0].get("dp", 1), "dp_ratio": rs[0].get("dp_ratio"), "dp_ratio_total": rs[0].get("dp_ratio_total"),
+            "dp_ratio_bf16": rs[0].get("dp_ratio_bf16"), "dp_ratio_total_bf16": rs[0].get("dp_ratio_total_bf16"),
             "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in rs), 1),
         })
     return out
 
 
+def _bf16_scale(backend: str | None) -> float | None:
+    """How a DP backend's training-loop bytes in a bf16 run compare with this fp32 study's
+    (``DPBackend.loop_bytes_dtype``): 0.5 where they are the gradients in their own dtype, 1 where
+    they are formed in fp32 or are fixed-width codes, None for a mix (or an unknown backend)."""
+    from ds_twocircuit.dp.registry import get_backend
+    try:
+        kind = get_backend(backend).loop_bytes_dtype
+    except (KeyError, ValueError, TypeError):
+        return None
+    return {"grad": 0.5, "fp32": 1.0}.get(kind)
+
+
 def add_dp_ratios(rows: list[dict], baseline: str) -> None:
     """Each row's ``dp_ratio`` (training loop) and ``dp_ratio_total`` (with the end-of-run sync): how
     many times fewer DP bytes per token it sent than the baseline (the all-reduce) on the same domain
-    and DP width. None where there is no such baseline row or the baseline sent no DP bytes."""
+    and DP width. None where there is no such baseline row or the baseline sent no DP bytes.
+
+    The study trains in fp32 (the reference engine), so those divide by an fp32 all-reduce. A user
+    who trains in bf16 all-reduces in bf16 (DeepSpeed's default communication dtype with
+    ``bf16.enabled``): ``dp_ratio_bf16`` and ``dp_ratio_total_bf16`` are the same ratios for a bf16 run,
+    each side's loop bytes scaled as its backend sends them (``_bf16_scale``), the end-of-run average
+    as it is sent in any dtype (fp32). None where a backend's bytes are a mix of the two."""
     base = {}
     for r in rows:
         if r["label"] == baseline and r.get("dp_bytes_per_token"):
-            base[(r["domain"], r.get("dp", 1))] = r["dp_bytes_per_token"]
+            base[(r["domain"], r.get("dp", 1))] = (r["dp_bytes_per_token"], _bf16_scale(r.get("dp_backend")))
     for r in rows:
-        ref = base.get((r["domain"], r.get("dp", 1)))
+        ref, ref_scale = base.get((r["domain"], r.get("dp", 1)), (None, None))
         loop, total = r.get("dp_bytes_per_token_training"), r.get("dp_bytes_per_token")
         r["dp_ratio"] = round(ref / loop, 2) if ref and loop else None
         r["dp_ratio_total"] = round(ref / total, 2) if ref and total else None
+        scale = _bf16_scale(r.get("dp_backend"))
+        if ref and loop and total and ref_scale and scale:
+            loop_bf16 = loop * scale
+            r["dp_ratio_bf16"] = round(ref * ref_scale / loop_bf16, 2)
+            r["dp_ratio_total_bf16"] = round(ref * ref_scale / (loop_bf16 + total - loop), 2)
+        else:
+            r["dp_ratio_bf16"] = r["dp_ratio_total_bf16"] = None
 
 
 def _ratio_bf16(s: dict) -> float:
@@ -360,7 +387,7 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
               min_dp_ratio: float = 0.0, min_seeds: int = 2):
     """The config with the lowest mean held-out loss among those at >= ``min_ratio_bf16`` fewer
     boundary bytes than bf16 (and, if ``min_dp_ratio``, at least that many times fewer DP bytes in
-    the training loop than the baseline) on every domain measured with at least ``min_seeds`` seeds; None if
+    the training loop than the baseline's all-reduce, both as a bf16 run sends them) on every domain measured with at least ``min_seeds`` seeds; None if
     none is within ``within`` of the baseline on every domain. A config must have rows on every domain the
     baseline has, and be a file as it ships: rows run with ``--set`` overrides are screens of a change to
     the file, not the file, and are never recommended."""
@@ -373,7 +400,7 @@ def recommend(summary: list[dict], baseline: str, min_ratio_bf16: float = 20.0, 
         if label == baseline or not domains <= {s["domain"] for s in ss} or any(s.get("overrides") for s in ss):
             continue
         if any(_ratio_bf16(s) < min_ratio_bf16 or len(s["seeds"]) < min_seeds
-               or (min_dp_ratio and (s.get("dp_ratio") or 0) < min_dp_ratio)
+               or (min_dp_ratio and (s.get("dp_ratio_bf16") or 0) < min_dp_ratio)
                or s["vs_baseline"] is None or s["vs_baseline"] > 1 + within for s in ss):
             continue
         ok.append((sum(s["heldout_loss_mean"] for s in ss) / len(ss), label, ss[0]["config"]))
@@ -431,8 +458,8 @@ def report(args) -> dict:
     with_dp = any(s["dp"] > 1 for s in summary)
     lines = ["", "| config | domain | seeds | tokens | held-out loss (mean) | spread | SE | paired diff vs "
              f"`{args.baseline}` (per seed) | vs `{args.baseline}` | through the codec | boundary bytes/token "
-             "(forward / backward) | x fewer than fp32 | x fewer than bf16 (busier direction) |" + (" DP x fewer (loop / total) |" if with_dp else ""),
-             "|" + "---|" * (13 + with_dp)]
+             "(forward / backward) | x fewer than fp32 | x fewer than bf16 (busier direction) |" + (" DP x fewer than fp32 all-reduce (loop / total) | DP x fewer than bf16 all-reduce (loop / total) |" if with_dp else ""),
+             "|" + "---|" * (13 + 2 * with_dp)]
     for s in summary:
         per_seed = ", ".join(f"{d:+.3f}" for _, d in sorted(s["paired_diff"].items())) if s["paired_diff"] else "-"
         vs = "-" if s["vs_baseline"] is None else f"{(s['vs_baseline'] - 1) * 100:+.2f}%"
@@ -440,7 +467,7 @@ def report(args) -> dict:
                      f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'] or None)} "
                      f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {_bytes_cell(s)} "
                      f"| {2 * _ratio_bf16(s):.1f} | {_ratio_bf16(s):.1f} |"
-                     + (f" {_dp_cell(s)} |" if with_dp else ""))
+                     + (f" {_dp_cell(s)} | {_dp_cell(s, '_bf16')} |" if with_dp else ""))
     bases = sorted({(s["domain"], round(s["heldout_loss_base"], 3)) for s in summary if s["heldout_loss_base"]})
     lines += ["", "Base model (before training, dense inference): "
               + ", ".join(f"{d} {b:.3f}" for d, b in bases) + f". Recommended: `{out['recommended']}`.",
@@ -476,12 +503,14 @@ def _bytes_cell(s: dict) -> str:
     return f"{fwd:,.1f} / {bwd:,.1f}" if fwd is not None and bwd is not None else f"{s['pp_bytes_per_token']:,.1f}"
 
 
-def _dp_cell(s: dict) -> str:
+def _dp_cell(s: dict, kind: str = "") -> str:
+    """``kind`` "": against the study's fp32 all-reduce; "_bf16": against a bf16 run's."""
+    loop, total = s.get("dp_ratio" + kind), s.get("dp_ratio_total" + kind)
     if s["dp"] <= 1:
         return "-"
-    if s["dp_ratio"] == 1.0 and s["dp_ratio_total"] == 1.0:
+    if loop == 1.0 and total == 1.0:
         return "1 (the baseline)"
-    return f"{s['dp_ratio'] or 0:.1f} / {s['dp_ratio_total'] or 0:.1f}" if s["dp_ratio"] else "-"
+    return f"{loop:.1f} / {total or 0:.1f}" if loop else "-"
 
 
 def gap_curves(rows: list, baseline: str) -> dict:

@@ -176,16 +176,20 @@ def test_a_study_cut_short_resumes_and_its_row_is_the_whole_run(tmp_path, keep):
 def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(tmp_path):
     """--report on full-stack rows (DP 2): each row's DP bytes per token against the baseline's
     all-reduce on the same domain and width, in the training loop and with the end-of-run sync;
-    --min-dp-ratio keeps a config under the DP budget from being recommended."""
+    --min-dp-ratio keeps a config under the DP budget from being recommended. The study runs in fp32;
+    the budget is read against a bf16 run's all-reduce (half the bytes), the sync's fp32-formed
+    payload and its fp32 end-of-run average as they are."""
     def row(label, seed, loss, dp_tok, final_tok):
+        backend = "allreduce" if label == "dense" else "streaming_diloco"
         return {"label": label, "config": f"ds_configs/{label}.json", "overrides": [], "seed": seed, "dp": 2,
+                "dp_backend": backend,
                 "domain": "sympy", "steps": 10, "tokens": 1000, "heldout_loss": loss, "heldout_loss_coded": None,
                 "heldout_stderr": 0.01, "heldout_loss_base": 3.0, "pp_bytes_per_token": 100.0, "pp_bytes_ratio": 20.0,
                 "pp_bytes_ratio_bf16": 10.0, "dp_bytes": int(dp_tok * 1000), "anchor_bytes": 0, "tokens_per_s": 1.0,
                 "curve": [], "dp_bytes_per_token": dp_tok, "dp_bytes_per_token_training": dp_tok - final_tok,
                 "dp_final_sync_bytes": int(final_tok * 1000)}
     rows = [row("dense", 0, 2.0, 1000.0, 0.0), row("dense", 1, 2.2, 1000.0, 0.0),
-            row("slow", 0, 2.001, 20.0, 15.0), row("slow", 1, 2.201, 20.0, 15.0),     # 200x in the loop, 50x in all
+            row("slow", 0, 2.001, 20.0, 15.0), row("slow", 1, 2.201, 20.0, 15.0),     # 200x in the loop, 50x in all (fp32)
             row("fast", 0, 2.0, 25.0, 0.0), row("fast", 1, 2.2, 25.0, 0.0)]           # 40x: under a 100x budget
     results = tmp_path / "fullstack.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -193,13 +197,18 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     out = bq.report(bq.parse(args))
     by = {(r["label"], r["seed"]): r for r in out["rows"]}
     assert by[("slow", 0)]["dp_ratio"] == 200.0 and by[("slow", 0)]["dp_ratio_total"] == 50.0
+    assert by[("slow", 0)]["dp_ratio_bf16"] == 100.0 and by[("slow", 0)]["dp_ratio_total_bf16"] == 25.0
     assert by[("dense", 1)]["dp_ratio"] == 1.0 and by[("fast", 1)]["dp_ratio"] == 40.0
+    assert by[("dense", 1)]["dp_ratio_bf16"] == 1.0 and by[("fast", 1)]["dp_ratio_bf16"] == 20.0
     assert out["benchmark"] == "fullstack" and out["recommended"] == "ds_configs/fast.json"   # the lowest loss
     out = bq.report(bq.parse([*args, "--min-dp-ratio", "100"]))
     assert out["recommended"] == "ds_configs/slow.json" and out["recommended_if"]["min_dp_ratio"] == 100
+    # 200x against the study's fp32 all-reduce is 100x against a bf16 run's: under a budget of 101
+    assert bq.report(bq.parse([*args, "--min-dp-ratio", "101"]))["recommended"] is None
     assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
-    assert table.startswith("# Full stack") and "| 200.0 / 50.0 |" in table and "| 1 (the baseline) |" in table
+    assert table.startswith("# Full stack") and "| 200.0 / 50.0 | 100.0 / 25.0 |" in table
+    assert "| 1 (the baseline) | 1 (the baseline) |" in table
     # --readme: the README's table is rewritten between its markers from the same summary, the prose kept
     readme = tmp_path / "README.md"
     readme.write_text("# Project\n\ntext\n\n" + bq.README_BEGIN + "\nstale\n" + bq.README_END + "\n\nmore\n")

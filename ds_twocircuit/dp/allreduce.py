@@ -22,6 +22,7 @@ class AllReduceConfig(BackendConfig):
 class AllReduce(DPBackend):
     backend_name = "allreduce"
     config_class = AllReduceConfig
+    loop_bytes_dtype = "grad"   # DeepSpeed's own all-reduce too: bf16 with bf16.enabled
 
     def reduce_gradients(self, step: int) -> None:
         grads = self._grads()

@@ -262,6 +262,12 @@ class DPBackend:
     # stages (Streaming DiLoCo's fragments: each stage splits its own); a single process holding
     # every stage then passes the split of :meth:`stage_split` to the constructor
     splits_by_stage = False
+    # What sets the bytes the training loop sends, for a run in another dtype: "grad" (the
+    # gradients in their own dtype: a bf16 run sends half an fp32 run's), "fp32" (formed in fp32,
+    # or fixed-width codes, whatever the training dtype), None (a mix of the two). The end-of-run
+    # average (:meth:`finalize`) is fp32 for every backend. Benchmarks that run in fp32 read this
+    # to state their DP ratios against a bf16 all-reduce (launch/bench_quality.py).
+    loop_bytes_dtype: str | None = None
 
     def __init__(self, named_params, comm: Communicator | None, cfg):
         self.cfg = self.config_class.coerce(cfg, backend=self.backend_name)

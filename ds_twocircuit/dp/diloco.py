@@ -224,6 +224,7 @@ class DiLoCo(DPBackend):
     backend_name = "diloco"
     config_class = DiLoCoConfig
     replicas_may_differ = True
+    loop_bytes_dtype = "fp32"   # pseudo-gradients formed in fp32 (or 'quant''s fixed-width codes)
 
     def __init__(self, named_params, comm, cfg, fragments=None):
         super().__init__(named_params, comm, cfg)

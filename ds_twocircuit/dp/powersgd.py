@@ -319,6 +319,7 @@ class PowerSGD(DPBackend):
 
     backend_name = "powersgd"
     config_class = PowerSGDBackendConfig
+    loop_bytes_dtype = None   # P and Q in fp32; the uncompressed tensors and the warm-up in the gradients' dtype
 
     def __init__(self, named_params, comm, cfg):
         super().__init__(named_params, comm, cfg)

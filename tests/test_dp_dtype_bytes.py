@@ -1,0 +1,122 @@
+"""What each DP backend sends in a bf16 run against an fp32 run (``DPBackend.loop_bytes_dtype``).
+
+The quality studies train in fp32 (the reference engine) and state their DP ratios against a bf16
+all-reduce too (``launch/bench_quality.py``), by scaling each backend's measured bytes as this
+attribute says. Here two replicas in one process train the same toy model in fp32 and in bf16 under
+every built-in backend, and the bytes they count are compared: the attribute must be what the code
+sends, and the end-of-run average must cost the same in both dtypes."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ds_twocircuit.dp.registry import available_backends, build_backend, get_backend
+from ds_twocircuit.engines.reference import InProcessGroup, run_replicas
+
+SYNC = {"inner_steps": 4, "num_fragments": 2, "outer_lr": 1.5, "outer_momentum": 0.0, "nesterov": False}
+CONFIGS = {   # every built-in backend, the shipped sync among them (dense_dp200*.json's, H 4 here)
+    "allreduce": {"backend": "allreduce"},
+    "powersgd": {"backend": "powersgd", "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}},
+    "diloco": {"backend": "diloco", "inner_steps": 4, "outer_lr": 0.7},
+    "streaming_diloco": {"backend": "streaming_diloco", **SYNC, "overlap": True, "overlap_steps": 2,
+                         "merge_alpha": 0.5, "compression": "quant",
+                         "quant": {"bits": 4, "block": 64, "error_feedback": True}},
+    "streaming_diloco/powersgd": {"backend": "streaming_diloco", **SYNC, "compression": "powersgd",
+                                  "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 0}},
+    "streaming_diloco/none": {"backend": "streaming_diloco", **SYNC},
+}
+STEPS = 11   # ends between syncs: the end-of-run average has drifted fragments to send
+
+
+def _bytes(cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """(training-loop bytes, end-of-run average bytes) replica 0 sends over STEPS steps."""
+    group, n = InProcessGroup(2), 2
+    models = []
+    for _ in range(n):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(8, 96), nn.Tanh(), nn.Linear(96, 4)).to(dtype))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    backends = [build_backend(list(m.named_parameters()), group.comm(r), cfg) for r, m in enumerate(models)]
+    loop = [0] * n
+
+    def step(s):
+        def one(r):
+            g = torch.Generator().manual_seed(1000 * r + s)
+            x, y = torch.randn(4, 8, generator=g).to(dtype), torch.randn(4, 4, generator=g).to(dtype)
+            opts[r].zero_grad()
+            F.mse_loss(models[r](x), y).backward()
+            backends[r].reduce_gradients(s)
+            opts[r].step()
+            backends[r].after_optimizer_step(s)
+            loop[r] += backends[r].pop_step_stats().get("bytes_sent", 0)
+        run_replicas(group, one, n)
+    for s in range(STEPS):
+        step(s)
+
+    def final(r):
+        backends[r].finalize()
+        return backends[r].pop_step_stats().get("bytes_sent", 0)
+    ends = run_replicas(group, final, n)
+    assert loop[0] == loop[1] and ends[0] == ends[1]
+    return loop[0], ends[0]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loop_bytes_dtype_is_what_the_backend_sends(name):
+    cfg = CONFIGS[name]
+    kind = get_backend(cfg["backend"]).loop_bytes_dtype
+    (loop32, end32), (loop16, end16) = _bytes(cfg, torch.float32), _bytes(cfg, torch.bfloat16)
+    assert loop32 > 0
+    if kind == "grad":
+        assert loop16 * 2 == loop32
+    elif kind == "fp32":
+        assert loop16 == loop32
+    else:   # a mix: more than half, less than all
+        assert kind is None and loop32 / 2 < loop16 < loop32
+    assert end16 == end32   # the end-of-run average is fp32 in any dtype
+    if get_backend(cfg["backend"]).replicas_may_differ:
+        assert end32 > 0
+
+
+def test_every_builtin_backend_is_measured():
+    assert {c["backend"] for c in CONFIGS.values()} == set(available_backends())
+    assert all(get_backend(b).loop_bytes_dtype in ("grad", "fp32", None) for b in available_backends())
+
+
+def _bench_quality():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_quality_dtype", os.path.join(root, "launch", "bench_quality.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_ratios_against_a_bf16_all_reduce():
+    """The report's bf16 DP ratios: the all-reduce baseline halves, a fp32-formed sync does not, the
+    end-of-run average stays; a mixed backend gets none."""
+    bq = _bench_quality()
+    base = {"label": "dense", "domain": "d", "dp": 2, "dp_backend": "allreduce",
+            "dp_bytes_per_token": 600.0, "dp_bytes_per_token_training": 600.0}
+    sync = {"label": "s", "domain": "d", "dp": 2, "dp_backend": "streaming_diloco",
+            "dp_bytes_per_token": 5.0, "dp_bytes_per_token_training": 3.0}
+    mixed = {"label": "p", "domain": "d", "dp": 2, "dp_backend": "powersgd",
+             "dp_bytes_per_token": 10.0, "dp_bytes_per_token_training": 10.0}
+    rows = [base, sync, mixed]
+    bq.add_dp_ratios(rows, "dense")
+    assert (base["dp_ratio"], base["dp_ratio_bf16"], base["dp_ratio_total_bf16"]) == (1.0, 1.0, 1.0)
+    assert (sync["dp_ratio"], sync["dp_ratio_total"]) == (200.0, 120.0)
+    assert (sync["dp_ratio_bf16"], sync["dp_ratio_total_bf16"]) == (100.0, 60.0)
+    assert mixed["dp_ratio"] == 60.0 and mixed["dp_ratio_bf16"] is None
+    # the gate reads the bf16 ratio: 100x in bf16 passes 100, not 101
+    summary = [{"label": "dense", "domain": "d", "seeds": [0], "vs_baseline": 1.0, "overrides": [],
+                "heldout_loss_mean": 2.0, "config": "dense.json", "pp_bytes_ratio_bf16": 1.0, **base},
+               {"label": "s", "domain": "d", "seeds": [0], "vs_baseline": 1.005, "overrides": [],
+                "heldout_loss_mean": 2.01, "config": "s.json", "pp_bytes_ratio_bf16": 1.0, **sync}]
+    summary[1]["label"] = "s"
+    assert bq.recommend(summary, "dense", min_ratio_bf16=0.5, min_dp_ratio=100, min_seeds=1) == "s.json"
+    assert bq.recommend(summary, "dense", min_ratio_bf16=0.5, min_dp_ratio=101, min_seeds=1) is None
