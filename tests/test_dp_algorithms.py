@@ -698,7 +698,7 @@ def test_config_defaults():
     ({"backend": "diloco", "powersgd": {}}, "twocircuit.dp.powersgd"),
     ({"backend": "diloco", "compression": "topk"}, "twocircuit.dp.compression"),
     ({"backend": "diloco", "quant": {"bits": 4}}, "twocircuit.dp.quant"),
-    ({"backend": "diloco", "compression": "quant", "quant": {"bits": 3}}, "twocircuit.dp.quant.bits"),
+    ({"backend": "diloco", "compression": "quant", "quant": {"bits": 5}}, "twocircuit.dp.quant.bits"),
     ({"backend": "diloco", "compression": "quant", "quant": {"block": 12}}, "twocircuit.dp.quant.block"),
     ({"backend": "diloco", "compression": "quant", "quant": {"scale": 1}}, "twocircuit.dp.quant.scale"),
     ({"backend": "diloco", "compression": "quant", "quant": {"collective": "ring"}},
@@ -954,7 +954,7 @@ def _in_process(world):
     return group, run_replicas
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_quantized_mean_is_the_same_average_on_every_replica(bits):
     """Each replica decodes every replica's payload in rank order: identical results, equal to the
     mean of the dequantised inputs, within the quantiser's step of the exact mean; the bytes are a

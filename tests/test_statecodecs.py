@@ -28,7 +28,7 @@ def _msg(shape, key=1, keep=None, refresh=False, train=True):
     return Message(key=key, shape=tuple(shape), keep=keep or shape[-1], refresh=refresh, train=train)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_group_quantisation_error_and_bytes(bits):
     torch.manual_seed(0)
     c = torch.randn(33, 48) * torch.logspace(1, -2, 48)
@@ -42,6 +42,20 @@ def test_group_quantisation_error_and_bytes(bits):
     step = scales.float()
     assert torch.all((d - c).abs() <= step / 2 + c.abs().amax(1, keepdim=True) * 2 ** -8 + 1e-7)
     assert torch.all(d.abs() <= lim * step + 1e-6)
+
+
+def test_three_bit_packing_is_eight_codes_in_three_bytes():
+    """3 bits (the DP sync's quant): codes 0..6 packed little-endian, 8 a 3-byte unit, and back."""
+    from ds_twocircuit.codecs.quant import _pack, _unpack
+    u = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 0, 0, 0, 0, 0, 0, 1]], dtype=torch.int32)
+    p = _pack(u, 3)
+    word = sum(int(v) << (3 * i) for i, v in enumerate(u[0, :8]))
+    assert p.shape == (1, 6) and p[0, :3].tolist() == [word & 255, (word >> 8) & 255, word >> 16]
+    assert p[0, 3:].tolist() == [7, 0, 32]   # 7 in bits 0-2, then 1 in bits 21-23 (byte 2, bit 5)
+    assert torch.equal(_unpack(p, 16, 3), u.long())
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 8, (5, 64), generator=g, dtype=torch.int32)
+    assert torch.equal(_unpack(_pack(r, 3), 64, 3), r.long())
 
 
 def test_groups_bytes_and_zero_rows():

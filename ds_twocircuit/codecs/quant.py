@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 SCALE_DTYPE = torch.bfloat16
-ALLOWED_BITS = (2, 4, 8)
+ALLOWED_BITS = (2, 4, 8)   # the boundary codec's layouts; the packing also takes 3 (8 values in 3 bytes)
 
 
 def group_bytes(groups) -> int:
@@ -25,25 +25,46 @@ def quantize_groups(c: torch.Tensor, groups) -> list[torch.Tensor]:
         sf = s.float()
         q = torch.round(x / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp_(-lim, lim)
         u = (q + lim).to(torch.int32)  # 0 .. 2 lim < 2^b
-        per = 8 // b
-        u = u.view(u.shape[0], n // per, per)
-        shifts = torch.arange(per, device=u.device, dtype=torch.int32) * b
-        packed.append((u << shifts).sum(2).to(torch.uint8))
+        packed.append(_pack(u, b))
         scales.append(s)
     return [torch.cat(packed, 1).contiguous(), torch.cat(scales, 1).contiguous()]
+
+
+def _pack(u: torch.Tensor, b: int) -> torch.Tensor:
+    """(T, n) int32 codes < 2^b -> (T, n b / 8) uint8: 8 / b codes a byte where b divides 8, else
+    (3 bits) 8 codes in b bytes, little-endian, lowest code in the lowest bits."""
+    T, n = u.shape
+    if 8 % b == 0:
+        per = 8 // b
+        shifts = torch.arange(per, device=u.device, dtype=torch.int32) * b
+        return (u.view(T, n // per, per) << shifts).sum(2).to(torch.uint8)
+    shifts = torch.arange(8, device=u.device, dtype=torch.int64) * b
+    word = (u.view(T, n // 8, 8).to(torch.int64) << shifts).sum(2)          # 8 b bits
+    nbytes = torch.arange(b, device=u.device, dtype=torch.int64) * 8
+    return ((word.unsqueeze(2) >> nbytes) & 255).to(torch.uint8).reshape(T, n // 8 * b)
+
+
+def _unpack(byte: torch.Tensor, n: int, b: int) -> torch.Tensor:
+    """The inverse of :func:`_pack`: (T, n b / 8) uint8 -> (T, n) int64 codes."""
+    T = byte.shape[0]
+    if 8 % b == 0:
+        per = 8 // b
+        shifts = torch.arange(per, device=byte.device, dtype=torch.int32) * b
+        return ((byte.to(torch.int32).unsqueeze(2) >> shifts) & ((1 << b) - 1)).reshape(T, n)
+    nbytes = torch.arange(b, device=byte.device, dtype=torch.int64) * 8
+    word = (byte.reshape(T, n // 8, b).to(torch.int64) << nbytes).sum(2)
+    shifts = torch.arange(8, device=byte.device, dtype=torch.int64) * b
+    return ((word.unsqueeze(2) >> shifts) & ((1 << b) - 1)).reshape(T, n)
 
 
 def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, groups) -> torch.Tensor:
     out, col = [], 0
     for g, (n, b) in enumerate(groups):
-        per = 8 // b
-        nb = n // per
-        byte = packed[:, col:col + nb].to(torch.int32)
+        nb = n * b // 8
+        u = _unpack(packed[:, col:col + nb], n, b)
         col += nb
         lim = (1 << (b - 1)) - 1
-        shifts = torch.arange(per, device=byte.device, dtype=torch.int32) * b
-        u = (byte.unsqueeze(2) >> shifts) & ((1 << b) - 1)
-        q = u.reshape(u.shape[0], n).float() - lim
+        q = u.float() - lim
         out.append(q * scales[:, g:g + 1].float())
     return torch.cat(out, 1)
 

@@ -39,7 +39,7 @@ from ds_twocircuit.configkit import ConfigError, check_keys
 from ds_twocircuit.dp.base import Collective, Pending
 from ds_twocircuit.dp.config import boolean, int_in, parse_fields, setting
 
-QUANT_BITS = (2, 4, 8)
+QUANT_BITS = (2, 3, 4, 8)
 
 
 def _bits(v, name):
@@ -63,7 +63,7 @@ class QuantConfig:
     """The ``quant`` object of DiLoCo's ``compression: "quant"``::
 
         "quant": {
-          "bits": 2 | 4 | 8            [4]   per value
+          "bits": 2 | 3 | 4 | 8        [4]   per value (3: eight values in three bytes)
           "block": int >= 8            [64]  values per bf16 scale (a multiple of 8)
           "error_feedback": bool       [true] carry each replica's quantisation error to its next
                                              sync of the same fragment
