@@ -349,6 +349,16 @@ def _bf16_scale(backend: str | None) -> float | None:
     return {"grad": 0.5, "fp32": 1.0}.get(kind)
 
 
+def _final_bf16_scale(world: int) -> float:
+    """The end-of-run average's bytes for weights held in bf16 over those for fp32 weights, at
+    ``world`` replicas (``ds_twocircuit.dp.base.final_average_bytes``: 0.5 at two)."""
+    import torch
+    from ds_twocircuit.dp.base import final_average_bytes
+    n = 1 << 20
+    fp32 = final_average_bytes(n, torch.float32, world)
+    return final_average_bytes(n, torch.bfloat16, world) / fp32 if fp32 else 1.0
+
+
 def add_dp_ratios(rows: list[dict], baseline: str) -> None:
     """Each row's ``dp_ratio`` (training loop) and ``dp_ratio_total`` (with the end-of-run sync): how
     many times fewer DP bytes per token it sent than the baseline (the all-reduce) on the same domain
@@ -358,7 +368,8 @@ def add_dp_ratios(rows: list[dict], baseline: str) -> None:
     who trains in bf16 all-reduces in bf16 (DeepSpeed's default communication dtype with
     ``bf16.enabled``): ``dp_ratio_bf16`` and ``dp_ratio_total_bf16`` are the same ratios for a bf16 run,
     each side's loop bytes scaled as its backend sends them (``_bf16_scale``), the end-of-run average
-    as it is sent in any dtype (fp32). None where a backend's bytes are a mix of the two."""
+    as ``DPBackend.finalize`` sends bf16 weights (``_final_bf16_scale``). None where a backend's loop
+    bytes are a mix of the two."""
     base = {}
     for r in rows:
         if r["label"] == baseline and r.get("dp_bytes_per_token"):
@@ -371,8 +382,9 @@ def add_dp_ratios(rows: list[dict], baseline: str) -> None:
         scale = _bf16_scale(r.get("dp_backend"))
         if ref and loop and total and ref_scale and scale:
             loop_bf16 = loop * scale
+            final_bf16 = (total - loop) * _final_bf16_scale(r.get("dp", 1))
             r["dp_ratio_bf16"] = round(ref * ref_scale / loop_bf16, 2)
-            r["dp_ratio_total_bf16"] = round(ref * ref_scale / (loop_bf16 + total - loop), 2)
+            r["dp_ratio_total_bf16"] = round(ref * ref_scale / (loop_bf16 + final_bf16), 2)
         else:
             r["dp_ratio_bf16"] = r["dp_ratio_total_bf16"] = None
 

@@ -177,8 +177,8 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     """--report on full-stack rows (DP 2): each row's DP bytes per token against the baseline's
     all-reduce on the same domain and width, in the training loop and with the end-of-run sync;
     --min-dp-ratio keeps a config under the DP budget from being recommended. The study runs in fp32;
-    the budget is read against a bf16 run's all-reduce (half the bytes), the sync's fp32-formed
-    payload and its fp32 end-of-run average as they are."""
+    the budget is read against a bf16 run's all-reduce (half the bytes) and the sync's fp32-formed
+    payload as it is (its end-of-run average of bf16 weights: half, at two replicas)."""
     def row(label, seed, loss, dp_tok, final_tok):
         backend = "allreduce" if label == "dense" else "streaming_diloco"
         return {"label": label, "config": f"ds_configs/{label}.json", "overrides": [], "seed": seed, "dp": 2,
@@ -197,7 +197,8 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     out = bq.report(bq.parse(args))
     by = {(r["label"], r["seed"]): r for r in out["rows"]}
     assert by[("slow", 0)]["dp_ratio"] == 200.0 and by[("slow", 0)]["dp_ratio_total"] == 50.0
-    assert by[("slow", 0)]["dp_ratio_bf16"] == 100.0 and by[("slow", 0)]["dp_ratio_total_bf16"] == 25.0
+    # a bf16 run: 500 bytes of all-reduce, the same 5 in the loop, half the 15 of the final average
+    assert by[("slow", 0)]["dp_ratio_bf16"] == 100.0 and by[("slow", 0)]["dp_ratio_total_bf16"] == 40.0
     assert by[("dense", 1)]["dp_ratio"] == 1.0 and by[("fast", 1)]["dp_ratio"] == 40.0
     assert by[("dense", 1)]["dp_ratio_bf16"] == 1.0 and by[("fast", 1)]["dp_ratio_bf16"] == 20.0
     assert out["benchmark"] == "fullstack" and out["recommended"] == "ds_configs/fast.json"   # the lowest loss
@@ -207,7 +208,7 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     assert bq.report(bq.parse([*args, "--min-dp-ratio", "101"]))["recommended"] is None
     assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
-    assert table.startswith("# Full stack") and "| 200.0 / 50.0 | 100.0 / 25.0 |" in table
+    assert table.startswith("# Full stack") and "| 200.0 / 50.0 | 100.0 / 40.0 |" in table
     assert "| 1 (the baseline) | 1 (the baseline) |" in table
     # --readme: the README's table is rewritten between its markers from the same summary, the prose kept
     readme = tmp_path / "README.md"

@@ -4,7 +4,8 @@ The quality studies train in fp32 (the reference engine) and state their DP rati
 all-reduce too (``launch/bench_quality.py``), by scaling each backend's measured bytes as this
 attribute says. Here two replicas in one process train the same toy model in fp32 and in bf16 under
 every built-in backend, and the bytes they count are compared: the attribute must be what the code
-sends, and the end-of-run average must cost the same in both dtypes."""
+sends, and the end-of-run average what ``final_average_bytes`` says (half in bf16 at two replicas,
+where the weights are all-gathered as they are and summed in fp32)."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ds_twocircuit.dp.base import final_average_bytes
 from ds_twocircuit.dp.registry import available_backends, build_backend, get_backend
 from ds_twocircuit.engines.reference import InProcessGroup, run_replicas
 
@@ -33,9 +35,10 @@ CONFIGS = {   # every built-in backend, the shipped sync among them (dense_dp200
 STEPS = 11   # ends between syncs: the end-of-run average has drifted fragments to send
 
 
-def _bytes(cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
-    """(training-loop bytes, end-of-run average bytes) replica 0 sends over STEPS steps."""
-    group, n = InProcessGroup(2), 2
+def _bytes(cfg: dict, dtype: torch.dtype, n: int = 2, weights: list | None = None) -> tuple[int, int]:
+    """(training-loop bytes, end-of-run average bytes) replica 0 sends over STEPS steps; ``weights``
+    gets each replica's weights before and after the end-of-run average."""
+    group = InProcessGroup(n)
     models = []
     for _ in range(n):
         torch.manual_seed(0)
@@ -58,11 +61,19 @@ def _bytes(cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
     for s in range(STEPS):
         step(s)
 
+    def flat(r):
+        return torch.cat([p.detach().reshape(-1) for p in models[r].parameters()])
+
     def final(r):
+        backends[r].flush()   # what finalize finishes first, so that 'before' is what it averages
+        before = flat(r).clone()
+        loop[r] += backends[r].pop_step_stats().get("bytes_sent", 0)
         backends[r].finalize()
+        if weights is not None:
+            weights.append((before, flat(r).clone()))
         return backends[r].pop_step_stats().get("bytes_sent", 0)
     ends = run_replicas(group, final, n)
-    assert loop[0] == loop[1] and ends[0] == ends[1]
+    assert len(set(loop)) == 1 and len(set(ends)) == 1
     return loop[0], ends[0]
 
 
@@ -78,9 +89,30 @@ def test_loop_bytes_dtype_is_what_the_backend_sends(name):
         assert loop16 == loop32
     else:   # a mix: more than half, less than all
         assert kind is None and loop32 / 2 < loop16 < loop32
-    assert end16 == end32   # the end-of-run average is fp32 in any dtype
     if get_backend(cfg["backend"]).replicas_may_differ:
-        assert end32 > 0
+        assert end32 > 0 and end16 * 2 == end32   # bf16 weights all-gathered: half at two replicas
+    else:
+        assert end16 == end32 == 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_end_of_run_average_of_bf16_weights(n):
+    """The end-of-run average of bf16 weights: the fp32 mean of every replica's weights rounded once
+    to bf16, bit-identical on every replica, at the bytes of final_average_bytes (an all-gather of
+    the bf16 values below four replicas, the fp32 all-reduce from four)."""
+    cfg = CONFIGS["streaming_diloco/none"]
+    weights = []
+    _, end = _bytes(cfg, torch.bfloat16, n=n, weights=weights)
+    before = [b for b, _ in weights]
+    after = [a for _, a in weights]
+    assert all(torch.equal(after[0], a) for a in after[1:])
+    assert not all(torch.equal(before[0], b) for b in before[1:])   # they had drifted
+    mean = sum(b.float() for b in before) / n
+    assert torch.equal(after[0], mean.to(torch.bfloat16))
+    # what was averaged: the drifted fragments' weights (here, with the last sync 3 steps back, all)
+    numel = before[0].numel()
+    assert end == final_average_bytes(numel, torch.bfloat16, n)
+    assert end == (numel * 2 * (n - 1) if n < 4 else 2 * (n - 1) * numel * 4 // n)
 
 
 def test_every_builtin_backend_is_measured():
@@ -97,19 +129,20 @@ def _bench_quality():
 
 
 def test_report_ratios_against_a_bf16_all_reduce():
-    """The report's bf16 DP ratios: the all-reduce baseline halves, a fp32-formed sync does not, the
-    end-of-run average stays; a mixed backend gets none."""
+    """The report's bf16 DP ratios: the all-reduce baseline halves, an fp32-formed sync does not, the
+    end-of-run average halves at two replicas; a mixed backend gets none."""
     bq = _bench_quality()
     base = {"label": "dense", "domain": "d", "dp": 2, "dp_backend": "allreduce",
             "dp_bytes_per_token": 600.0, "dp_bytes_per_token_training": 600.0}
     sync = {"label": "s", "domain": "d", "dp": 2, "dp_backend": "streaming_diloco",
-            "dp_bytes_per_token": 5.0, "dp_bytes_per_token_training": 3.0}
+            "dp_bytes_per_token": 7.0, "dp_bytes_per_token_training": 3.0}
     mixed = {"label": "p", "domain": "d", "dp": 2, "dp_backend": "powersgd",
              "dp_bytes_per_token": 10.0, "dp_bytes_per_token_training": 10.0}
     rows = [base, sync, mixed]
     bq.add_dp_ratios(rows, "dense")
     assert (base["dp_ratio"], base["dp_ratio_bf16"], base["dp_ratio_total_bf16"]) == (1.0, 1.0, 1.0)
-    assert (sync["dp_ratio"], sync["dp_ratio_total"]) == (200.0, 120.0)
+    assert (sync["dp_ratio"], sync["dp_ratio_total"]) == (200.0, round(600 / 7, 2))
+    # in bf16: the all-reduce halves, the loop's fp32-formed sync stays, the end-of-run average halves
     assert (sync["dp_ratio_bf16"], sync["dp_ratio_total_bf16"]) == (100.0, 60.0)
     assert mixed["dp_ratio"] == 60.0 and mixed["dp_ratio_bf16"] is None
     # the gate reads the bf16 ratio: 100x in bf16 passes 100, not 101

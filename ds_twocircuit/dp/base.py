@@ -190,6 +190,56 @@ class Collective:
         return s
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def final_average_bytes(numel: int, dtype: torch.dtype, world: int) -> int:
+    """Bytes one replica sends in :meth:`DPBackend.finalize` to average ``numel`` weights held in
+    ``dtype``: an all-gather of the half-precision values where that is cheaper than an fp32
+    all-reduce (fewer than four replicas), else the fp32 all-reduce."""
+    fp32 = wire.ring_allreduce_bytes(numel * 4, world)
+    if dtype in HALF_DTYPES:
+        return min(fp32, wire.ring_allgather_bytes(numel * 2, world))
+    return fp32
+
+
+def _gather_halves(tensors, world: int) -> bool:
+    """Whether :meth:`DPBackend.finalize` all-gathers ``tensors`` as they are: one half-precision
+    dtype, one device, and fewer bytes than the fp32 all-reduce."""
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) != 1:
+        return False
+    dtype = next(iter(kinds))[0]
+    n = 1 << 20
+    return dtype in HALF_DTYPES and final_average_bytes(n, dtype, world) < final_average_bytes(n, torch.float32, world)
+
+
+class GatheredMean:
+    """Average ``tensors`` (one dtype and device) over the DP group in place: all-gather them as
+    they are, in buckets of at most BUCKET_NUMEL elements, and sum every replica's copy in fp32 in
+    rank order (the same arithmetic on the same values, so the same result on every replica)."""
+
+    def __init__(self, tensors, comm: Collective):
+        self.tensors, self.world = list(tensors), comm.world_size
+        self.buckets = CoalescedMean._bucketize(self.tensors)
+        self.rounds = []
+        for b in self.buckets:
+            flat = torch.cat([self.tensors[i].reshape(-1) for i in b])
+            self.rounds.append(comm.all_gather(flat))
+
+    def wait(self) -> None:
+        for b, (rows, pending) in zip(self.buckets, self.rounds):
+            pending.wait()
+            acc = rows[0].to(torch.float32)
+            for r in range(1, rows.shape[0]):
+                acc += rows[r].to(torch.float32)
+            acc.div_(self.world)
+            with torch.no_grad():
+                for i, chunk in zip(b, acc.split([self.tensors[i].numel() for i in b])):
+                    self.tensors[i].copy_(chunk.view_as(self.tensors[i]))
+        self.rounds = []
+
+
 class CoalescedMean:
     """Average ``tensors`` over the DP group in place: one flat all-reduce per (dtype, device)
     bucket of at most BUCKET_NUMEL elements.  Launch in the constructor, finish in ``wait()``."""
@@ -265,8 +315,9 @@ class DPBackend:
     # What sets the bytes the training loop sends, for a run in another dtype: "grad" (the
     # gradients in their own dtype: a bf16 run sends half an fp32 run's), "fp32" (formed in fp32,
     # or fixed-width codes, whatever the training dtype), None (a mix of the two). The end-of-run
-    # average (:meth:`finalize`) is fp32 for every backend. Benchmarks that run in fp32 read this
-    # to state their DP ratios against a bf16 all-reduce (launch/bench_quality.py).
+    # average (:meth:`finalize`) is the same for every backend: :func:`final_average_bytes`.
+    # Benchmarks that run in fp32 read both to state their DP ratios against a bf16 all-reduce
+    # (launch/bench_quality.py).
     loop_bytes_dtype: str | None = None
 
     def __init__(self, named_params, comm: Communicator | None, cfg):
@@ -302,24 +353,34 @@ class DPBackend:
 
     def finalize(self) -> bool:
         """End of training: finish in-flight syncs, then, for backends whose replicas drift
-        between syncs, average the drifted parameters once, exactly (plain all-reduce in fp32, no
+        between syncs, average the drifted parameters once, exactly (summed in fp32, no
         compression, no outer step), so that every replica holds and saves the same model.
         Returns True if the live parameters changed. The one averaging path of every backend:
         a backend says what drifted (:meth:`_drifted_groups`) and what to do after
-        (:meth:`_after_final_average`)."""
+        (:meth:`_after_final_average`).
+
+        Weights held in bf16 or fp16 (a bf16 run's live parameters) are all-gathered as they are
+        and summed in fp32 in rank order where that sends fewer bytes than an fp32 all-reduce
+        (fewer than four replicas: half of it with two; :func:`final_average_bytes`); the mean is
+        the same, since the fp32 sum of a few half-precision values is exact."""
         changed = self.flush()
         if not self.replicas_may_differ or self.world_size <= 1:
             return changed
         groups = self._drifted_groups()
         for g, idx in enumerate(groups):
             live = [self.params[i].detach() for i in idx]
-            exact = [t.to(torch.float32) for t in live]  # the same tensor when already fp32
-            check_finite(self._final_step(), [self.names[i] for i in idx], exact, what="final weight")
-            CoalescedMean(exact, self.comm).wait()
-            with torch.no_grad():
-                for t, e in zip(live, exact):
-                    if t is not e:
-                        t.copy_(e)
+            names = [self.names[i] for i in idx]
+            if _gather_halves(live, self.world_size):
+                check_finite(self._final_step(), names, live, what="final weight")
+                GatheredMean(live, self.comm).wait()
+            else:
+                exact = [t.to(torch.float32) for t in live]  # the same tensor when already fp32
+                check_finite(self._final_step(), names, exact, what="final weight")
+                CoalescedMean(exact, self.comm).wait()
+                with torch.no_grad():
+                    for t, e in zip(live, exact):
+                        if t is not e:
+                            t.copy_(e)
             self._after_final_average(g, idx)
         return changed or bool(groups)
 
