@@ -361,8 +361,8 @@ class DPBackend:
 
         Weights held in bf16 or fp16 (a bf16 run's live parameters) are all-gathered as they are
         and summed in fp32 in rank order where that sends fewer bytes than an fp32 all-reduce
-        (fewer than four replicas: half of it with two; :func:`final_average_bytes`); the mean is
-        the same, since the fp32 sum of a few half-precision values is exact."""
+        (fewer than four replicas: half of it with two; :func:`final_average_bytes`): the mean the
+        fp32 all-reduce gives, up to the order of its fp32 additions."""
         changed = self.flush()
         if not self.replicas_may_differ or self.world_size <= 1:
             return changed
