@@ -479,7 +479,8 @@ def report(args) -> dict:
                      f"| {f3(s['heldout_loss_mean'])} | {f3(s['heldout_loss_spread'])} | {f3(s['heldout_stderr_max'] or None)} "
                      f"| {per_seed} | {vs} | {f3(s['heldout_loss_coded_mean'])} | {_bytes_cell(s)} "
                      f"| {2 * _ratio_bf16(s):.1f} | {_ratio_bf16(s):.1f} |"
-                     + (f" {_dp_cell(s)} | {_dp_cell(s, '_bf16')} |" if with_dp else ""))
+                     + (f" {_dp_cell(s, '', args.baseline)} | {_dp_cell(s, '_bf16', args.baseline)} |"
+                        if with_dp else ""))
     bases = sorted({(s["domain"], round(s["heldout_loss_base"], 3)) for s in summary if s["heldout_loss_base"]})
     lines += ["", "Base model (before training, dense inference): "
               + ", ".join(f"{d} {b:.3f}" for d, b in bases) + f". Recommended: `{out['recommended']}`.",
@@ -515,13 +516,13 @@ def _bytes_cell(s: dict) -> str:
     return f"{fwd:,.1f} / {bwd:,.1f}" if fwd is not None and bwd is not None else f"{s['pp_bytes_per_token']:,.1f}"
 
 
-def _dp_cell(s: dict, kind: str = "") -> str:
+def _dp_cell(s: dict, kind: str = "", baseline: str | None = None) -> str:
     """``kind`` "": against the study's fp32 all-reduce; "_bf16": against a bf16 run's."""
     loop, total = s.get("dp_ratio" + kind), s.get("dp_ratio_total" + kind)
     if s["dp"] <= 1:
         return "-"
     if loop == 1.0 and total == 1.0:
-        return "1 (the baseline)"
+        return "1 (the baseline)" if s["label"] == baseline else "1 (all-reduce)"
     return f"{loop:.1f} / {total or 0:.1f}" if loop else "-"
 
 
