@@ -47,7 +47,7 @@ def test_shipped_configs_validate(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".json")))
 def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name):
-    is_dp = re.search(r"_dp\d*(_olr\d+)?$", name) is not None   # m95_dp, lowrank_dp100, dense_dp200_olr15: a compressed DP sync
+    is_dp = re.search(r"_dp\d*(_olr\d+)?(_q\d)?$", name) is not None   # m95_dp, lowrank_dp100, dense_dp200_olr15(_q3): a compressed DP sync
     dp = 2 if is_dp else 1
     z = 1 if "_ap" in name else 0
     argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
@@ -393,16 +393,17 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
             assert named == apply_overrides(ran, r["ran_as"]["overrides"]), r["ran_as"]
 
 
-def test_the_full_stack_candidate_is_the_codec_candidate_with_dense_dp200_olr15s_sync():
-    """ds_configs/lowrank20_metric98_m20_dp200_olr15.json (issue 27's full stack): exactly the codec study's
-    candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
-    (dense_dp200_olr15.json: dense_dp200.json's 4-bit sync at outer lr 1.5), so the two compressions'
-    costs can be told apart."""
-    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15.json")))
+def test_the_full_stack_candidate_is_the_codec_candidate_with_the_dp_candidates_sync():
+    """ds_configs/lowrank20_metric98_m20_dp200_olr15_q3.json (issue 27's full stack): exactly the codec
+    study's candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
+    (dense_dp200_olr15_q3.json: dense_dp200.json's sync at outer lr 1.5 and 3 bits), so the two
+    compressions' costs can be told apart."""
+    assert not os.path.exists(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15.json"))   # renamed, no rows
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15_q3.json")))
     codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
-    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
+    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))
     assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
-    assert stack["twocircuit"]["dp"]["outer_lr"] == 1.5
+    assert stack["twocircuit"]["dp"]["outer_lr"] == 1.5 and stack["twocircuit"]["dp"]["quant"]["bits"] == 3
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
@@ -504,6 +505,36 @@ def test_dense_dp200_olr15_is_the_screened_outer_lr():
     base = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
     assert shipped == apply_overrides(base, ["twocircuit.dp.outer_lr=1.5"]) and shipped != base
     assert base["twocircuit"]["dp"]["outer_lr"] == 1.0
+
+
+def test_dense_dp200_olr15_q3_is_the_screened_3bit_sync_at_100x_against_bf16():
+    """ds_configs/dense_dp200_olr15_q3.json (issue 27's DP candidate) is dense_dp200_olr15.json with its
+    pseudo-gradients at 3 bits, what fullstack_screen.jsonl's dp200_olr15_q3 rows ran on both domains
+    before the file existed. Its training-loop bytes are the 4-bit file's times 26 / 34 (the payload of a
+    block of 64: 24 bytes of codes and a bf16 scale, against 32 and the scale), as the screens measured;
+    on the 4-bit file's 250k-token rows that puts it at 100x or more fewer DP bytes in the loop than the
+    bf16 all-reduce of a bf16 run (the 4-bit file: 87.8x)."""
+    from ds_twocircuit.dp.quantmean import QuantConfig
+    rows = _benchmark_rows("fullstack_screen")
+    screened = [r for r in rows if r["label"] == "dp200_olr15_q3"]
+    assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
+    assert {(r["config"], tuple(r["overrides"])) for r in screened} == \
+        {("ds_configs/dense_dp200_olr15.json", ("twocircuit.dp.quant.bits=3",))}
+    shipped = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))
+    base = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
+    assert shipped == apply_overrides(base, ["twocircuit.dp.quant.bits=3"]) and shipped != base
+    assert QuantConfig(bits=3).payload_bytes(64) == 26 and QuantConfig(bits=4).payload_bytes(64) == 34
+    for r in screened:   # the same syncs as the 4-bit screen on the same domain and seed, 26 / 34 the bytes
+        four = [x for x in rows if x["label"] == "dp200_olr15" and (x["domain"], x["seed"]) == (r["domain"], r["seed"])]
+        assert four and r["dp_bytes_per_token_training"] / four[-1]["dp_bytes_per_token_training"] == \
+            pytest.approx(26 / 34, rel=1e-5)
+    study = _benchmark_rows("fullstack")
+    measured = [r for r in study if r["label"] == "dense_dp200_olr15"]
+    assert {r["domain"] for r in measured} == {"sympy", "deepspeed-cpp"}
+    for r in measured:
+        allreduce = next(d for d in study if d["label"] == "dense" and (d["domain"], d["seed"]) == (r["domain"], r["seed"]))
+        bf16 = allreduce["dp_bytes_per_token_training"] / 2   # a bf16 run's all-reduce
+        assert bf16 / r["dp_bytes_per_token_training"] < 100 <= bf16 / (r["dp_bytes_per_token_training"] * 26 / 34)
 
 
 def test_delayed_screen_config_is_the_dp_candidate_with_the_delayed_rule():
