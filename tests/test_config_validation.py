@@ -496,15 +496,21 @@ def test_dense_dp200_olr15_is_the_screened_outer_lr():
     dp200_olr15 rows (outer lr 1.5), screened on both domains before the file existed, so that its
     250k-token rows train what was screened; dense_dp200.json itself, and its measured rows, stay as they
     were."""
-    rows = _benchmark_rows("fullstack_screen")
-    screened = [r for r in rows if r["label"] == "dp200_olr15"]
-    assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
-    assert {(r["config"], tuple(r["overrides"])) for r in screened} == \
-        {("ds_configs/dense_dp200.json", ("twocircuit.dp.outer_lr=1.5",))}
-    shipped = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
-    base = json.load(open(os.path.join(CONFIGS, "dense_dp200.json")))
-    assert shipped == apply_overrides(base, ["twocircuit.dp.outer_lr=1.5"]) and shipped != base
+    _, _, base = _screened_on_both_domains("dp200_olr15", "dense_dp200", "twocircuit.dp.outer_lr=1.5", "dense_dp200_olr15")
     assert base["twocircuit"]["dp"]["outer_lr"] == 1.0
+
+
+def _screened_on_both_domains(label: str, base: str, override: str, shipped: str):
+    """fullstack_screen.jsonl's ``label`` rows ran ``base`` with the one ``override`` on both domains, and
+    ds_configs/<shipped>.json is exactly that: (the screen's rows, all rows, the base config)."""
+    rows = _benchmark_rows("fullstack_screen")
+    screened = [r for r in rows if r["label"] == label]
+    assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
+    assert {(r["config"], tuple(r["overrides"])) for r in screened} == {(f"ds_configs/{base}.json", (override,))}
+    file = json.load(open(os.path.join(CONFIGS, f"{shipped}.json")))
+    cfg = json.load(open(os.path.join(CONFIGS, f"{base}.json")))
+    assert file == apply_overrides(cfg, [override]) and file != cfg
+    return screened, rows, cfg
 
 
 def test_dense_dp200_olr15_q3_is_the_screened_3bit_sync_at_100x_against_bf16():
@@ -515,14 +521,8 @@ def test_dense_dp200_olr15_q3_is_the_screened_3bit_sync_at_100x_against_bf16():
     on the 4-bit file's 250k-token rows that puts it at 100x or more fewer DP bytes in the loop than the
     bf16 all-reduce of a bf16 run (the 4-bit file: 87.8x)."""
     from ds_twocircuit.dp.quantmean import QuantConfig
-    rows = _benchmark_rows("fullstack_screen")
-    screened = [r for r in rows if r["label"] == "dp200_olr15_q3"]
-    assert {r["domain"] for r in screened} == {"sympy", "deepspeed-cpp"}
-    assert {(r["config"], tuple(r["overrides"])) for r in screened} == \
-        {("ds_configs/dense_dp200_olr15.json", ("twocircuit.dp.quant.bits=3",))}
-    shipped = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))
-    base = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15.json")))
-    assert shipped == apply_overrides(base, ["twocircuit.dp.quant.bits=3"]) and shipped != base
+    screened, rows, _ = _screened_on_both_domains("dp200_olr15_q3", "dense_dp200_olr15", "twocircuit.dp.quant.bits=3",
+                                                  "dense_dp200_olr15_q3")
     assert QuantConfig(bits=3).payload_bytes(64) == 26 and QuantConfig(bits=4).payload_bytes(64) == 34
     for r in screened:   # the same syncs as the 4-bit screen on the same domain and seed, 26 / 34 the bytes
         four = [x for x in rows if x["label"] == "dp200_olr15" and (x["domain"], x["seed"]) == (r["domain"], r["seed"])]
