@@ -209,7 +209,7 @@ def test_full_stack_rows_get_dp_ratios_against_the_all_reduce_and_the_dp_budget(
     assert bq.report(bq.parse([*args, "--min-seeds", "3"]))["recommended"] is None   # 2 seeds measured
     table = (tmp_path / "fullstack.md").read_text()
     assert table.startswith("# Full stack") and "| 200.0 / 50.0 | 100.0 / 40.0 |" in table
-    assert "| 1 (the baseline) | 1 (the baseline) |" in table
+    assert "| 1 (the baseline) | 1 (the baseline) |" in table and "(all-reduce)" not in table
     # --readme: the README's table is rewritten between its markers from the same summary, the prose kept
     readme = tmp_path / "README.md"
     readme.write_text("# Project\n\ntext\n\n" + bq.README_BEGIN + "\nstale\n" + bq.README_END + "\n\nmore\n")

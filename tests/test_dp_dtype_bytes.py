@@ -150,6 +150,12 @@ def test_report_ratios_against_a_bf16_all_reduce():
                 "heldout_loss_mean": 2.0, "config": "dense.json", "pp_bytes_ratio_bf16": 1.0, **base},
                {"label": "s", "domain": "d", "seeds": [0], "vs_baseline": 1.005, "overrides": [],
                 "heldout_loss_mean": 2.01, "config": "s.json", "pp_bytes_ratio_bf16": 1.0, **sync}]
-    summary[1]["label"] = "s"
     assert bq.recommend(summary, "dense", min_ratio_bf16=0.5, min_dp_ratio=100, min_seeds=1) == "s.json"
     assert bq.recommend(summary, "dense", min_ratio_bf16=0.5, min_dp_ratio=101, min_seeds=1) is None
+    # the table: the baseline is "the baseline", another all-reduce row (a codec's) "all-reduce"
+    codec = {"label": "codec", "dp": 2, "dp_ratio": 1.0, "dp_ratio_total": 1.0, "dp_ratio_bf16": 1.0,
+             "dp_ratio_total_bf16": 1.0}
+    assert bq._dp_cell({**codec, "label": "dense"}, "_bf16", "dense") == "1 (the baseline)"
+    assert bq._dp_cell(codec, "_bf16", "dense") == "1 (all-reduce)"
+    assert bq._dp_cell({**sync, "dp_ratio_total": 85.71}, "", "dense") == "200.0 / 85.7"
+    assert bq._dp_cell(sync, "_bf16", "dense") == "100.0 / 60.0" and bq._dp_cell(mixed, "_bf16", "dense") == "-"
