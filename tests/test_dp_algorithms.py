@@ -715,6 +715,8 @@ def test_config_defaults():
      "twocircuit.dp.merge_rule"),
     ({"backend": "streaming_diloco", "merge_rule": "delayed", "merge_alpha": 0.5},
      "twocircuit.dp.merge_alpha"),
+    ({"backend": "diloco", "final_outer_lr": 0}, "twocircuit.dp.final_outer_lr"),
+    ({"backend": "streaming_diloco", "final_outer_lr": "1.5"}, "twocircuit.dp.final_outer_lr"),
     ({"backend": "nope"}, "twocircuit.dp.backend"),
 ])
 def test_config_refuses_bad_keys(d, key):
@@ -795,7 +797,7 @@ def test_backend_configs_own_their_keys():
     assert AllReduceConfig.keys() == frozenset()
     assert PowerSGDBackendConfig.keys() == {"powersgd"}
     assert DiLoCoConfig.keys() == {"inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                                   "compression", "powersgd", "quant"}
+                                   "compression", "powersgd", "quant", "final_outer_lr"}
     assert StreamingDiLoCoConfig.keys() == DiLoCoConfig.keys() | {"num_fragments", "overlap",
                                                                   "overlap_steps", "merge_alpha",
                                                                   "merge_rule"}

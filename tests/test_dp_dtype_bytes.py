@@ -35,9 +35,11 @@ CONFIGS = {   # every built-in backend, the shipped sync among them (dense_dp200
 STEPS = 11   # ends between syncs: the end-of-run average has drifted fragments to send
 
 
-def _bytes(cfg: dict, dtype: torch.dtype, n: int = 2, weights: list | None = None) -> tuple[int, int]:
+def _bytes(cfg: dict, dtype: torch.dtype, n: int = 2, weights: list | None = None,
+           capture: dict | None = None) -> tuple[int, int]:
     """(training-loop bytes, end-of-run average bytes) replica 0 sends over STEPS steps; ``weights``
-    gets each replica's weights before and after the end-of-run average."""
+    gets each replica's weights before and after the end-of-run average, ``capture[r]`` replica r's
+    (DiLoCo backup, weights before, weights after) flattened in fp32."""
     group = InProcessGroup(n)
     models = []
     for _ in range(n):
@@ -67,10 +69,13 @@ def _bytes(cfg: dict, dtype: torch.dtype, n: int = 2, weights: list | None = Non
     def final(r):
         backends[r].flush()   # what finalize finishes first, so that 'before' is what it averages
         before = flat(r).clone()
+        backup = torch.cat([b.reshape(-1) for b in getattr(backends[r], "backup", [])] or [torch.zeros(0)])
         loop[r] += backends[r].pop_step_stats().get("bytes_sent", 0)
         backends[r].finalize()
         if weights is not None:
             weights.append((before, flat(r).clone()))
+        if capture is not None:
+            capture[r] = (backup, before.float(), flat(r).float())
         return backends[r].pop_step_stats().get("bytes_sent", 0)
     ends = run_replicas(group, final, n)
     assert len(set(loop)) == 1 and len(set(ends)) == 1
@@ -159,3 +164,39 @@ def test_report_ratios_against_a_bf16_all_reduce():
     assert bq._dp_cell(codec, "_bf16", "dense") == "1 (all-reduce)"
     assert bq._dp_cell({**sync, "dp_ratio_total": 85.71}, "", "dense") == "200.0 / 85.7"
     assert bq._dp_cell(sync, "_bf16", "dense") == "100.0 / 60.0" and bq._dp_cell(mixed, "_bf16", "dense") == "-"
+
+
+
+def _final(cfg: dict, dtype: torch.dtype) -> list[tuple]:
+    """Each of two replicas' (backup, weights before, weights after, bytes) around the end-of-run
+    average after STEPS steps."""
+    capture = {}
+    _, end = _bytes(cfg, dtype, capture=capture)
+    return [(*capture[r], end) for r in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_final_outer_lr_steps_from_the_backup_and_keeps_replicas_identical(dtype):
+    """``final_outer_lr`` makes the end-of-run average an outer step, backup + lr * (mean -
+    backup), at the plain average's bytes and the same on both replicas; 1 (the default) is the
+    plain average. Fragments synced on the last step are left alone."""
+    base = CONFIGS["streaming_diloco"]
+    plain, stepped = _final(base, dtype), _final({**base, "final_outer_lr": 1.5}, dtype)
+    assert [r[3] for r in plain] == [r[3] for r in stepped] and plain[0][3] > 0   # the same bytes
+    (bk0, w0, mean, _), (bk1, w1, mean1, _) = plain
+    assert torch.equal(mean, mean1) and not torch.equal(w0, w1)
+    assert torch.equal(bk0, bk1)                                   # the backup agrees, as always
+    assert torch.equal(stepped[0][1], w0) and torch.equal(stepped[1][1], w1)   # the same run
+    s0, s1 = stepped[0][2], stepped[1][2]
+    assert torch.equal(s0, s1)                                     # replicas agree
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(mean, (w0 + w1) / 2, atol=tol)
+    drifted = (w0 != w1)
+    want = bk0 + 1.5 * (mean - bk0)
+    assert torch.allclose(s0[drifted], want[drifted], atol=tol, rtol=tol)
+    # past the plain average by half the averaged drift (bf16: up to the weights' rounding, which is
+    # a quarter of these small moves; the plain average would miss by all of it)
+    past, half = (s0 - mean)[drifted], 0.5 * (mean - bk0)[drifted]
+    assert half.norm() > 0.01 and (past - half).norm() <= (1e-5 if dtype == torch.float32 else 0.4) * half.norm()
+    if dtype == torch.float32:   # (in bf16 a drifted weight can round to the same value on both)
+        assert torch.equal(s0[~drifted], mean[~drifted])           # synced fragments: untouched

@@ -96,6 +96,10 @@ class DiLoCoConfig(BackendConfig):
         "outer_momentum": float in [0, 1)    [0.9]
         "nesterov": bool                     [true]
         "compression": null | "powersgd" | "quant"   [null]  of the pseudo-gradients
+        "final_outer_lr": float > 0          [1.0]  the end-of-run exact average as an outer step:
+                                             backup + final_outer_lr * (mean - backup) on each
+                                             fragment that drifted since its last sync (1: the
+                                             plain average; no momentum, no extra bytes)
         "powersgd": {...}                    only with compression "powersgd" (PowerSGDConfig)
         "quant": {...}                       only with compression "quant" (QuantConfig: bits,
                                              block, error_feedback)
@@ -108,6 +112,7 @@ class DiLoCoConfig(BackendConfig):
     outer_momentum: float = setting(0.9, check=float_in(0.0, 1.0, hi_open=True))
     nesterov: bool = setting(True, check=boolean)
     compression: str | None = setting(None, check=_compression)
+    final_outer_lr: float = setting(1.0, check=float_in(0.0, lo_open=True))
 
     def check_consistency(self, given: frozenset, prefix: str) -> None:
         for block in ("powersgd", "quant"):
@@ -342,6 +347,10 @@ class DiLoCo(DPBackend):
     # 40 steps): exact average +1.9%; an outer Nesterov step here, which extrapolates past the
     # replicas, +7.5%; a PowerSGD-compressed average +2.7%. The exact average is a one-off cost
     # per run, like saving a checkpoint, and is reported apart (``dp_final_sync_bytes``).
+    # ``final_outer_lr`` (default 1, the plain average) scales the averaged drift since each
+    # fragment's backup, without momentum: with two replicas the averaged half-batch AdamW steps
+    # move the model about 1/sqrt(2) as far as whole-batch ones (docs/benchmarks/fullstack_screen.md),
+    # which the in-loop outer lr makes up for and a plain final average does not.
     def _drifted_groups(self) -> list[list[int]]:
         self._final = [f for f in range(self.num_fragments) if self.dirty[f]]
         if self._final:
@@ -349,9 +358,13 @@ class DiLoCo(DPBackend):
         return [list(self.fragments[f]) for f in self._final]
 
     def _after_final_average(self, group: int, idx: list[int]) -> None:
+        lr = self.cfg.final_outer_lr
         with torch.no_grad():
             for i in idx:
-                self.backup[i].copy_(self.params[i].detach())  # the outer state restarts from the average
+                p = self.params[i]
+                if lr != 1.0:   # backup + lr * (mean - backup): the same on every replica (both are)
+                    p.copy_(torch.lerp(self.backup[i], p.detach().to(torch.float32), lr))
+                self.backup[i].copy_(p.detach())  # the outer state restarts from the average
         self.dirty[self._final[group]] = False
 
     def replicas_in_sync(self) -> bool:
