@@ -135,6 +135,39 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 # Validation and planning: everything that can be wrong is found here, before any process group.
 
+# DeepSpeed's schedulers and the absolute learning rates among their params (the others are
+# ratios of the optimizer's lr, or steps); {key: DeepSpeed's default, None: no default}
+SCHEDULER_LRS = {"WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None},
+                 "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None},
+                 "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None},
+                 "LRRangeTest": {"lr_range_test_min_lr": None},
+                 "WarmupCosineLR": {}}
+
+
+def scale_scheduler_lrs(scheduler: dict, factor: float, where: str) -> dict:
+    """``scheduler`` (the DeepSpeed section) with its absolute learning rates times ``factor``
+    (``twocircuit.dp.inner_lr_scale``), so that the schedule sets the scaled lrs; a lr left to
+    DeepSpeed's default must be written out, as the default would not be scaled."""
+    import copy
+    if not isinstance(scheduler, dict) or scheduler.get("type") not in SCHEDULER_LRS:
+        got = scheduler.get("type") if isinstance(scheduler, dict) else scheduler
+        raise ConfigError(f"{where}: scheduler.type = {got!r} with twocircuit.dp.inner_lr_scale: the scale "
+                          f"applies to DeepSpeed's schedulers {', '.join(sorted(SCHEDULER_LRS))}")
+    out = copy.deepcopy(scheduler)
+    params = out.setdefault("params", {})
+    for name, default in SCHEDULER_LRS[out["type"]].items():
+        if name not in params and default is None:
+            raise ConfigError(f"{where}: scheduler.params.{name} is not set; with twocircuit.dp.inner_lr_scale "
+                              "write it out (DeepSpeed's default would not be scaled)")
+        v = params.get(name, default)
+        vals = v if isinstance(v, list) else [v]
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in vals):
+            raise ConfigError(f"{where}: scheduler.params.{name} must be a number or a list of numbers, got {v!r}")
+        scaled = [float(x) * factor for x in vals]
+        params[name] = scaled if isinstance(v, list) else scaled[0]
+    return out
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything a run needs, found and checked before any process group exists; never written
@@ -318,6 +351,16 @@ def make_plan(args, world_size: int) -> Plan:
     if unknown:   # a typo (e.g. from --set) would otherwise surface as a TypeError on every rank
         raise ConfigError(f"{args.config}: optimizer.params.{unknown[0]} is not an argument of "
                           f"torch.optim.{OPTIMIZERS[otype.lower()]}; allowed: {', '.join(sorted(accepted))}")
+    factor = tc.dp.inner_lr_factor(dp)   # twocircuit.dp.inner_lr_scale (DiLoCo), 1 otherwise
+    if factor != 1.0:
+        default = inspect.signature(getattr(torch.optim, OPTIMIZERS[otype.lower()])).parameters["lr"].default
+        lr = params.get("lr", default)      # torch's default lr is scaled too
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise ConfigError(f"{args.config}: optimizer.params.lr must be a number with "
+                              f"twocircuit.dp.inner_lr_scale, got {lr!r}")
+        params["lr"] = float(lr) * factor
+        if ds.get("scheduler"):
+            ds["scheduler"] = scale_scheduler_lrs(ds["scheduler"], factor, args.config)
     optimizer = (OPTIMIZERS[otype.lower()], params)
     # what the DP backend cannot run with (its own rules, dp/<backend>.py)
     tc.dp.check_deepspeed(ds, pp=pp, where=args.config, tied_embeddings=tc.tied_embeddings,

@@ -47,7 +47,8 @@ def test_shipped_configs_validate(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".json")))
 def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name):
-    is_dp = re.search(r"_dp\d*(_olr\d+)?(_q\d)?$", name) is not None   # m95_dp, lowrank_dp100, dense_dp200_olr15(_q3): a compressed DP sync
+    # m95_dp, lowrank_dp100, dense_dp200_olr15(_q3), dense_dp200_sqrtlr_q3: a compressed DP sync
+    is_dp = re.search(r"_dp\d*(_olr\d+|_sqrtlr)?(_q\d)?$", name) is not None
     dp = 2 if is_dp else 1
     z = 1 if "_ap" in name else 0
     argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
@@ -64,6 +65,47 @@ def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name)
     assert plan.tc.effective_mask_rate == (0.0 if p is None else pytest.approx(p))
     assert plan.tc.anchor.enabled == bool(z)
     assert (plan.tc.dp.backend != "allreduce") == is_dp
+
+
+def _dp_plan(tmp_path, dp, scale, scheduler=None, lr=1e-4):
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": lr}}}
+    if scheduler is not None:
+        ds["scheduler"] = scheduler
+    path = _cfg(tmp_path, mode="dense", mask_rate=0.0, _top=ds,
+                dp={"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2, "inner_lr_scale": scale})
+    return _plan(tmp_path, ["--deepspeed", path, "--pp", "2", "--dp", str(dp)], world=2 * dp)
+
+
+def test_inner_lr_scale_multiplies_the_optimizer_and_scheduler_lrs(tmp_path):
+    """``twocircuit.dp.inner_lr_scale``: the optimizer's lr (the one both engines build from) and a
+    DeepSpeed scheduler's absolute lrs times sqrt(dp) (or the number); dp 1 keeps them."""
+    for dp, want in ((1, 1e-4), (2, 1e-4 * 2 ** 0.5), (4, 2e-4)):
+        assert _dp_plan(tmp_path, dp, "sqrt_replicas").optimizer[1]["lr"] == pytest.approx(want, rel=1e-12)
+    assert _dp_plan(tmp_path, 2, 1.5).optimizer[1]["lr"] == pytest.approx(1.5e-4, rel=1e-12)
+    assert _dp_plan(tmp_path, 2, 1.0).optimizer[1]["lr"] == 1e-4
+    warm = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "warmup_num_steps": 5, "total_num_steps": 50}}
+    plan = _dp_plan(tmp_path, 4, "sqrt_replicas", warm)
+    assert plan.ds_config["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": pytest.approx(2e-4),
+                                                     "warmup_num_steps": 5, "total_num_steps": 50}
+    cycle = {"type": "OneCycle", "params": {"cycle_min_lr": [1e-5, 2e-5], "cycle_max_lr": 1e-4, "decay_lr_rate": 0.1}}
+    params = _dp_plan(tmp_path, 4, "sqrt_replicas", cycle).ds_config["scheduler"]["params"]
+    assert params == {"cycle_min_lr": [pytest.approx(2e-5), pytest.approx(4e-5)], "cycle_max_lr": pytest.approx(2e-4),
+                      "decay_lr_rate": 0.1}   # a rate, not a lr: unscaled
+    # the shipped DP candidate: AdamW at 1e-4 on one replica, sqrt(2) x 1e-4 on two
+    path = os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")
+    plan = _plan(tmp_path, ["--deepspeed", path, "--pp", "2", "--dp", "2"], world=4)
+    assert plan.optimizer[1]["lr"] == pytest.approx(1e-4 * 2 ** 0.5, rel=1e-12) and plan.tc.dp.outer_lr == 1.0
+
+
+@pytest.mark.parametrize("scheduler,match", [
+    ({"type": "WarmupLR", "params": {"warmup_num_steps": 5}}, r"scheduler\.params\.warmup_max_lr is not set"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": "big"}},
+     r"scheduler\.params\.cycle_max_lr must be a number"),
+    ({"type": "Cosine", "params": {}}, r"scheduler\.type = 'Cosine' with twocircuit\.dp\.inner_lr_scale"),
+])
+def test_inner_lr_scale_refuses_a_scheduler_lr_it_cannot_scale(tmp_path, scheduler, match):
+    with pytest.raises(ConfigError, match=match):
+        _dp_plan(tmp_path, 2, "sqrt_replicas", scheduler)
 
 
 @pytest.mark.parametrize("rate", [1.0, -0.1, 1.5])

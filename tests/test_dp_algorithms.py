@@ -717,6 +717,10 @@ def test_config_defaults():
      "twocircuit.dp.merge_alpha"),
     ({"backend": "diloco", "final_outer_lr": 0}, "twocircuit.dp.final_outer_lr"),
     ({"backend": "streaming_diloco", "final_outer_lr": "1.5"}, "twocircuit.dp.final_outer_lr"),
+    ({"backend": "diloco", "inner_lr_scale": 0}, "twocircuit.dp.inner_lr_scale"),
+    ({"backend": "diloco", "inner_lr_scale": "sqrt"}, "twocircuit.dp.inner_lr_scale"),
+    ({"backend": "streaming_diloco", "inner_lr_scale": True}, "twocircuit.dp.inner_lr_scale"),
+    ({"backend": "powersgd", "inner_lr_scale": "sqrt_replicas"}, "twocircuit.dp.inner_lr_scale"),
     ({"backend": "nope"}, "twocircuit.dp.backend"),
 ])
 def test_config_refuses_bad_keys(d, key):
@@ -797,7 +801,8 @@ def test_backend_configs_own_their_keys():
     assert AllReduceConfig.keys() == frozenset()
     assert PowerSGDBackendConfig.keys() == {"powersgd"}
     assert DiLoCoConfig.keys() == {"inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                                   "compression", "powersgd", "quant", "final_outer_lr"}
+                                   "compression", "powersgd", "quant", "final_outer_lr",
+                                   "inner_lr_scale"}
     assert StreamingDiLoCoConfig.keys() == DiLoCoConfig.keys() | {"num_fragments", "overlap",
                                                                   "overlap_steps", "merge_alpha",
                                                                   "merge_rule"}
@@ -1156,3 +1161,16 @@ def test_streaming_diloco_quant_keeps_replicas_identical_and_counts_its_bytes():
     assert not torch.equal(torch.cat([p.reshape(-1) for p in a[-1][2]]), torch.cat([p.reshape(-1) for p in b[-1][2]]))
     sd = backends[0].state_dict()
     assert sd["quant_errors"] is not None and any(float(e.abs().max()) > 0 for e in sd["quant_errors"])
+
+
+def test_inner_lr_factor_by_backend_and_width():
+    """``inner_lr_scale``: a number as given, "sqrt_replicas" as sqrt(N); every other backend 1."""
+    sq = config_from_dict({"backend": "streaming_diloco", "inner_lr_scale": "sqrt_replicas"})
+    assert [sq.inner_lr_factor(n) for n in (1, 2, 4, 9)] == [1.0, pytest.approx(2 ** 0.5), 2.0, 3.0]
+    assert config_from_dict({"backend": "diloco", "inner_lr_scale": 1.5}).inner_lr_factor(4) == 1.5
+    assert config_from_dict({"backend": "diloco"}).inner_lr_factor(4) == 1.0
+    for other in ({"backend": "allreduce"}, {"backend": "powersgd"}):
+        assert config_from_dict(other).inner_lr_factor(4) == 1.0
+    assert sq.to_dict()["inner_lr_scale"] == "sqrt_replicas"
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        sq.inner_lr_factor(0)

@@ -97,6 +97,30 @@ def test_fp16_with_diloco_refused():
         attach_dp_backend(FakeEngine())
 
 
+def test_inner_lr_scale_refused_where_the_optimizer_is_the_users():
+    """Under Accelerate / the Trainer the optimizer and its schedule are built by the user before
+    the backend is attached: ``inner_lr_scale`` is refused there, saying what lr to set instead."""
+    from ds_twocircuit.config import ConfigError
+    from ds_twocircuit.adapters.plain_engine import attach_dp_backend
+
+    class FakeEngine:
+        config = {"twocircuit": {"dp": {"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2,
+                                        "inner_lr_scale": "sqrt_replicas"}}}
+        optimizer, dp_world_size = None, 4
+
+        def zero_optimization_stage(self):
+            return 0
+
+        def fp16_enabled(self):
+            return False
+    with pytest.raises(ConfigError, match=r"inner_lr_scale = 'sqrt_replicas' .*multiply your learning rate by 2 "
+                                          r"\(on 4 replicas\)"):
+        attach_dp_backend(FakeEngine())
+    FakeEngine.config["twocircuit"]["dp"]["inner_lr_scale"] = 1.0     # the default: gets past the check
+    with pytest.raises(AttributeError, match="managed_gradient_accumulation"):
+        attach_dp_backend(FakeEngine())
+
+
 @pytest.mark.parametrize("section, named", [
     ({"anchor": {"replicas": 1}, "dp": {"backend": "powersgd"}}, "twocircuit.anchor only apply"),
     ({"mode": "masked", "mask_rate": 0.95, "lora": {"r": 8}}, "twocircuit.{lora, mask_rate, mode} only apply"),

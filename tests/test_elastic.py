@@ -111,6 +111,25 @@ def test_reference_resume_on_another_width_merges_the_replicas(tmp_path, backend
     assert [m["step"] for m in read_metrics(out)] == list(range(7)) and all(l < 7 for l in losses)
 
 
+def test_inner_lr_scale_follows_the_width_on_resume(tmp_path):
+    """``inner_lr_scale: "sqrt_replicas"`` on the reference engine: lr x sqrt(2) on 2 replicas; the
+    checkpoint's optimizer state (which carries that lr) resumed on 1 replica trains at the base lr,
+    and back on 2 at sqrt(2) again, as fresh runs at those widths would."""
+    import math
+    cfg = json.load(open(_config(tmp_path, "streaming_diloco")))
+    cfg["twocircuit"]["dp"]["inner_lr_scale"] = "sqrt_replicas"
+    base = cfg["optimizer"]["params"]["lr"]
+    config = tmp_path / "sqrt.json"
+    config.write_text(json.dumps(cfg))
+    out = str(tmp_path / "run")
+    _reference(str(config), out, 2, 2, ["--save-checkpoint"])
+    _reference(str(config), out, 4, 1, ["--resume", "auto", "--save-checkpoint"])
+    _reference(str(config), out, 5, 2, ["--resume", "auto"])
+    lrs = [m["lr"] for m in read_metrics(out)]
+    want = [base * math.sqrt(2)] * 2 + [base] * 2 + [base * math.sqrt(2)]
+    assert lrs == pytest.approx(want, rel=1e-12)
+
+
 def _same(a, b) -> bool:
     """Nested dicts / lists of tensors and plain values, equal exactly."""
     if isinstance(a, torch.Tensor):
@@ -179,6 +198,9 @@ def test_pipeline_and_reference_merge_alike(tmp_path):
     import glob
     from ds_twocircuit.export import merge
     config = _config(tmp_path, "streaming_diloco", name="m95", optimizer="SGD")
+    cfg = json.load(open(config))       # and the inner lr follows the width (sqrt(2) on 2 replicas)
+    cfg["twocircuit"]["dp"]["inner_lr_scale"] = "sqrt_replicas"
+    open(config, "w").write(json.dumps(cfg))
     pipe, ref, node1 = str(tmp_path / "pipe"), str(tmp_path / "ref"), str(tmp_path / "node1")
     for steps, dp in ((3, 2), (5, 1), (7, 2)):
         extra = ["--save-checkpoint"] + (["--resume", "auto"] if steps > 3 else [])
@@ -190,6 +212,9 @@ def test_pipeline_and_reference_merge_alike(tmp_path):
         _reference(config, ref, steps, dp, extra)
     a, b = [m["loss"] for m in read_metrics(pipe)], [m["loss"] for m in read_metrics(ref)]
     assert len(a) == 7 and a == pytest.approx(b, rel=1e-5)
+    lr = cfg["optimizer"]["params"]["lr"]
+    for out in (pipe, ref):   # both engines: sqrt(2) x lr on 2 replicas, lr on 1, rescaled at each resume
+        assert [m["lr"] for m in read_metrics(out)] == pytest.approx([lr * 2 ** 0.5] * 3 + [lr] * 2 + [lr * 2 ** 0.5] * 2)
     # what node 1 fetched: stage 1's layer files, DeepSpeed's engine state files (its loader reads
     # stage 0's and counts them all), the one old replica's state file (merged into both new
     # replicas) and the marker, byte for byte as node 0 has them

@@ -164,6 +164,8 @@ def load_training_state(engine, ckpt_dir: str):
     origin = StreamOrigin(meta["global_steps"], meta.get("consumed_micro_batches",
                                                          meta["global_steps"] * old_dp * engine.micro_batches))
     engine.optimizer.load_state_dict(state["optimizer"])
+    from ..engines import rescale_resumed_lr
+    rescale_resumed_lr(engine.optimizer, engine.tc.dp, old_dp, engine.dp_world_size)
     if state["module"] is not None:
         engine.module.load_state_dict(state["module"])
     if engine.dp_backend is not None and state["dp_backend"] is not None:

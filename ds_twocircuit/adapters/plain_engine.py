@@ -59,6 +59,11 @@ def attach_dp_backend(engine, dp: dict | None = None):
                           "(it keeps its own flat fp32 gradients); use torch_autocast or fp32")
     # what the backend itself cannot run with (its rules, shared with launch/train.py); no pipeline
     cfg.check_run(RunSettings(zero_stage=zero, fp16=engine.fp16_enabled(), bf16=bf16))
+    factor = cfg.inner_lr_factor(engine.dp_world_size)
+    if factor != 1.0:   # the optimizer and its schedule are the user's, built before this call
+        raise ConfigError(f"twocircuit.dp.inner_lr_scale = {cfg.inner_lr_scale!r} is applied by launch/train.py; "
+                          "here the optimizer and its schedule are yours: multiply your learning rate by "
+                          f"{factor:.6g} (on {engine.dp_world_size} replicas) and remove the key")
     if not engine.managed_gradient_accumulation():
         raise ConfigError("twocircuit.dp needs DeepSpeed's managed gradient accumulation")
     comm = dp_comm(groups._get_data_parallel_group(), engine.dp_world_size)

@@ -186,6 +186,12 @@ class BackendConfig:
         """Raise ConfigError if this backend cannot run with ``run``'s settings; ``where`` (a
         config file) prefixes the message."""
 
+    def inner_lr_factor(self, replicas: int) -> float:
+        """What the optimizer's learning rate (and a scheduler's) is multiplied by on ``replicas``
+        DP replicas. Default 1: a backend that syncs gradients every step trains at the whole
+        batch's step; DiLoCo's ``inner_lr_scale`` overrides it."""
+        return 1.0
+
     def check_deepspeed(self, ds: dict, pp: int = 1, where: str = "", tied_embeddings: str = "untie",
                         model_tied: bool = False) -> None:
         """:meth:`check_run` on the settings of DeepSpeed JSON ``ds`` (before launch)."""

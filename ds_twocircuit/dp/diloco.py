@@ -49,6 +49,7 @@ No DeepSpeed import.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,18 @@ def _compression(v, name):
     return v
 
 
+INNER_LR_SCALES = ("sqrt_replicas",)
+
+
+def _inner_lr_scale(v, name):
+    """A number > 0, or "sqrt_replicas" (sqrt of the DP width, resolved when the run starts)."""
+    if isinstance(v, str):
+        if v not in INNER_LR_SCALES:
+            raise ConfigError(f"{name} must be a number > 0 or \"sqrt_replicas\", got {v!r}")
+        return v
+    return float_in(0.0, lo_open=True)(v, name)
+
+
 def _where(where: str) -> str:
     return f"{where}: " if where else ""
 
@@ -100,6 +113,12 @@ class DiLoCoConfig(BackendConfig):
                                              backup + final_outer_lr * (mean - backup) on each
                                              fragment that drifted since its last sync (1: the
                                              plain average; no momentum, no extra bytes)
+        "inner_lr_scale": float > 0 | "sqrt_replicas"   [1.0]  multiplies the optimizer's lr
+                                             (and a scheduler's lrs) on every replica;
+                                             "sqrt_replicas": sqrt(N) on N DP replicas. The mean of
+                                             N replicas' Adam updates on 1/N of the batch each moves
+                                             about 1/sqrt(N) as far as one update on the whole
+                                             batch where the gradient is mostly noise (docs/notes.md)
         "powersgd": {...}                    only with compression "powersgd" (PowerSGDConfig)
         "quant": {...}                       only with compression "quant" (QuantConfig: bits,
                                              block, error_feedback)
@@ -113,12 +132,21 @@ class DiLoCoConfig(BackendConfig):
     nesterov: bool = setting(True, check=boolean)
     compression: str | None = setting(None, check=_compression)
     final_outer_lr: float = setting(1.0, check=float_in(0.0, lo_open=True))
+    inner_lr_scale: float | str = setting(1.0, check=_inner_lr_scale)
 
     def check_consistency(self, given: frozenset, prefix: str) -> None:
         for block in ("powersgd", "quant"):
             if block in given and self.compression != block:
                 raise ConfigError(f"{key(prefix, block)} is set but {key(prefix, 'compression')} is "
                                   f"{self.compression!r}; set compression: \"{block}\" or remove the {block} block")
+
+    def inner_lr_factor(self, replicas: int) -> float:
+        """``inner_lr_scale`` on ``replicas`` DP replicas: the number, or sqrt(replicas)."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if self.inner_lr_scale == "sqrt_replicas":
+            return math.sqrt(replicas)
+        return float(self.inner_lr_scale)
 
     def sync_schedule(self) -> tuple[int, int, int]:
         """The whole model every H steps, blocking."""

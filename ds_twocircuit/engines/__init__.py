@@ -36,3 +36,15 @@ def build_optimizer(plan, params):
     if name in ("Adam", "AdamW") and params and all(p.is_cuda for p in params):
         kw = {**kw, "fused": True}     # by where the parameters are, not by what the host has
     return cls(params, **kw)
+
+
+def rescale_resumed_lr(optimizer, dp_cfg, old_replicas: int, new_replicas: int) -> None:
+    """A checkpoint's optimizer state brings its learning rates, scaled for the width it was saved
+    at (``twocircuit.dp.inner_lr_scale``); on another DP width they are rescaled to this one's, as a
+    fresh run at this width would have them. Nothing changes at the same width (bit-exact resume)."""
+    if old_replicas == new_replicas:
+        return
+    ratio = dp_cfg.inner_lr_factor(new_replicas) / dp_cfg.inner_lr_factor(old_replicas)
+    if ratio != 1.0:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * ratio

@@ -411,6 +411,7 @@ class ReferenceEngine:
         state = torch.load(file, map_location="cpu", weights_only=False)
         meta = json.load(open(os.path.join(tag, STATE_DIR, COMMITTED)))
         from ..data import StreamOrigin
+        from . import rescale_resumed_lr
         if meta.get("micro_batch_size", self.plan.mb) != self.plan.mb:
             raise ConfigError(f"--resume: checkpoint trained micro-batches of {meta['micro_batch_size']} sequences, "
                               f"this run {self.plan.mb}; resume with the same --micro-batch-size")
@@ -429,6 +430,7 @@ class ReferenceEngine:
         for rep, st in zip(self.replicas, replicas):
             rep.model.load_state_dict(st["model"])
             rep.optimizer.load_state_dict(st["optimizer"])
+            rescale_resumed_lr(rep.optimizer, self.plan.tc.dp, len(state["replicas"]), len(self.replicas))
             rep.backend.load_state_dict(st["dp_backend"])
             for b, (s_send, s_recv) in st["codecs"].items():
                 send, recv = rep.masker.pair(b)
