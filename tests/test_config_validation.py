@@ -436,16 +436,21 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
 
 
 def test_the_full_stack_candidate_is_the_codec_candidate_with_the_dp_candidates_sync():
-    """ds_configs/lowrank20_metric98_m20_dp200_olr15_q3.json (issue 27's full stack): exactly the codec
+    """ds_configs/lowrank20_metric98_m20_dp200_sqrtlr_q3.json (issue 27's full stack): exactly the codec
     study's candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
-    (dense_dp200_olr15_q3.json: dense_dp200.json's sync at outer lr 1.5 and 3 bits), so the two
-    compressions' costs can be told apart."""
-    assert not os.path.exists(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15.json"))   # renamed, no rows
-    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_olr15_q3.json")))
+    (dense_dp200_sqrtlr_q3.json: dense_dp200.json's sync at 3 bits, outer lr 1, the inner lr times
+    sqrt(N)), so the two compressions' costs can be told apart."""
+    for old in ("lowrank20_metric98_m20_dp200_olr15.json", "lowrank20_metric98_m20_dp200_olr15_q3.json"):
+        assert not os.path.exists(os.path.join(CONFIGS, old))   # renamed, no rows
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_sqrtlr_q3.json")))
     codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
-    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))
+    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))
     assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
-    assert stack["twocircuit"]["dp"]["outer_lr"] == 1.5 and stack["twocircuit"]["dp"]["quant"]["bits"] == 3
+    assert stack["twocircuit"]["dp"]["outer_lr"] == 1.0 and stack["twocircuit"]["dp"]["quant"]["bits"] == 3
+    assert stack["twocircuit"]["dp"]["inner_lr_scale"] == "sqrt_replicas"
+    # the rest of the 3-bit outer-lr file's sync, unchanged
+    olr = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))["twocircuit"]["dp"]
+    assert {**olr, "outer_lr": 1.0, "inner_lr_scale": "sqrt_replicas"} == sync["twocircuit"]["dp"]
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
