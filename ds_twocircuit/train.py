@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)")
     p.add_argument("--grad-accum", type=int, default=None,
                    help="micro-batches per step per replica (default: the config's gradient_accumulation_steps)")
-    p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    p.add_argument("--lr", type=float, default=None, help="override the optimizer's lr (a DiLoCo sync's twocircuit.dp.inner_lr_scale multiplies it too)")
     p.add_argument("--lora-r", type=int, default=None,
                    help="train LoRA adapters of this rank instead of the full model (twocircuit.lora.r; 0: off)")
     p.add_argument("--seed", type=int, default=0, help="data order and mask seed (default 0)")

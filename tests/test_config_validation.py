@@ -83,6 +83,10 @@ def test_inner_lr_scale_multiplies_the_optimizer_and_scheduler_lrs(tmp_path):
         assert _dp_plan(tmp_path, dp, "sqrt_replicas").optimizer[1]["lr"] == pytest.approx(want, rel=1e-12)
     assert _dp_plan(tmp_path, 2, 1.5).optimizer[1]["lr"] == pytest.approx(1.5e-4, rel=1e-12)
     assert _dp_plan(tmp_path, 2, 1.0).optimizer[1]["lr"] == 1e-4
+    path = _cfg(tmp_path, mode="dense", mask_rate=0.0,        # --lr is the base the scale multiplies
+                dp={"backend": "streaming_diloco", "inner_steps": 4, "num_fragments": 2, "inner_lr_scale": "sqrt_replicas"})
+    plan = _plan(tmp_path, ["--deepspeed", path, "--pp", "2", "--dp", "4", "--lr", "3e-4"], world=8)
+    assert plan.optimizer[1]["lr"] == pytest.approx(6e-4, rel=1e-12)
     warm = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "warmup_num_steps": 5, "total_num_steps": 50}}
     plan = _dp_plan(tmp_path, 4, "sqrt_replicas", warm)
     assert plan.ds_config["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": pytest.approx(2e-4),

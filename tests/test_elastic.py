@@ -191,7 +191,8 @@ def test_error_feedback_on_resize_averages_or_resets(backend):
 @pytest.mark.multiproc
 def test_pipeline_and_reference_merge_alike(tmp_path):
     """Streaming DiLoCo with PowerSGD (the most per-replica state) on pp 2: dp 2 -> 1 -> 2 through
-    DeepSpeed equals the same chain on the reference engine (SGD: a tight tolerance on any CPU).
+    DeepSpeed equals the same chain on the reference engine (SGD: a tight tolerance on any CPU),
+    with ``inner_lr_scale: "sqrt_replicas"``: both engines' lr follows the width at each resume.
     The last width change runs as two nodes without a shared folder: node 1 (both ranks of stage 1)
     starts with an empty output folder and fetches the files its stage loads from node 0 at
     --resume auto, each once, counted as ``catch_up``."""
