@@ -47,8 +47,8 @@ def test_shipped_configs_validate(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".json")))
 def test_every_shipped_config_validates_with_its_documented_mesh(tmp_path, name):
-    # m95_dp, lowrank_dp100, dense_dp200_olr15(_q3), dense_dp200_sqrtlr_q3: a compressed DP sync
-    is_dp = re.search(r"_dp\d*(_olr\d+|_sqrtlr)?(_q\d)?$", name) is not None
+    # m95_dp, lowrank_dp100, dense_dp200_olr15(_q3), dense_dp200_sqrtlr_q3(_delayed): a compressed DP sync
+    is_dp = re.search(r"_dp\d*(_olr\d+|_sqrtlr)?(_q\d)?(_delayed)?$", name) is not None
     dp = 2 if is_dp else 1
     z = 1 if "_ap" in name else 0
     argv = ["--deepspeed", os.path.join(CONFIGS, f"{name}.json"), "--pp", "2", "--dp", str(dp)]
@@ -440,24 +440,49 @@ def test_quality_rows_copied_from_screens_ran_the_file_they_name():
 
 
 def test_the_full_stack_candidate_is_the_codec_candidate_with_the_dp_candidates_sync():
-    """ds_configs/lowrank20_metric98_m20_dp200_sqrtlr_q3.json (issue 27's full stack): exactly the codec
-    study's candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures alone
-    (dense_dp200_sqrtlr_q3.json: dense_dp200.json's sync at 3 bits, outer lr 1, the inner lr times
-    sqrt(N)), so the two compressions' costs can be told apart."""
-    for old in ("lowrank20_metric98_m20_dp200_olr15.json", "lowrank20_metric98_m20_dp200_olr15_q3.json"):
+    """ds_configs/lowrank20_metric98_m20_dp200_sqrtlr_q3_delayed.json (issue 27's full stack): exactly the
+    codec study's candidate (lowrank20_metric98_m20.json) with the sync whose quality fullstack.md measures
+    alone (dense_dp200_sqrtlr_q3_delayed.json: dense_dp200.json's sync at 3 bits, outer lr 1, the inner lr
+    times sqrt(N), the delayed merge rule), so the two compressions' costs can be told apart."""
+    for old in ("lowrank20_metric98_m20_dp200_olr15.json", "lowrank20_metric98_m20_dp200_olr15_q3.json",
+                "lowrank20_metric98_m20_dp200_sqrtlr_q3.json"):
         assert not os.path.exists(os.path.join(CONFIGS, old))   # renamed, no rows
-    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_sqrtlr_q3.json")))
+    stack = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20_dp200_sqrtlr_q3_delayed.json")))
     codec = json.load(open(os.path.join(CONFIGS, "lowrank20_metric98_m20.json")))
-    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))
+    sync = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3_delayed.json")))
     assert stack["twocircuit"]["dp"] == sync["twocircuit"]["dp"] and sync["twocircuit"]["dp"]["backend"] != "allreduce"
     assert stack["twocircuit"]["dp"]["outer_lr"] == 1.0 and stack["twocircuit"]["dp"]["quant"]["bits"] == 3
     assert stack["twocircuit"]["dp"]["inner_lr_scale"] == "sqrt_replicas"
+    assert stack["twocircuit"]["dp"]["merge_rule"] == "delayed" and "merge_alpha" not in stack["twocircuit"]["dp"]
     # the rest of the 3-bit outer-lr file's sync, unchanged
     olr = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))["twocircuit"]["dp"]
-    assert {**olr, "outer_lr": 1.0, "inner_lr_scale": "sqrt_replicas"} == sync["twocircuit"]["dp"]
+    mix = {**olr, "outer_lr": 1.0, "inner_lr_scale": "sqrt_replicas"}
+    assert mix == json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))["twocircuit"]["dp"]
+    assert {**{k: v for k, v in mix.items() if k != "merge_alpha"}, "merge_rule": "delayed"} == sync["twocircuit"]["dp"]
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
+
+
+def test_the_delayed_dp_candidate_is_the_screened_config():
+    """ds_configs/dense_dp200_sqrtlr_q3_delayed.json is, byte for byte in content, the screen config whose
+    41-step rows (fullstack_screen.md, both domains) made it the DP candidate: dense_dp200_sqrtlr_q3.json
+    with the delayed merge rule instead of the 50/50 mix, so its 250k-token rows train what was screened."""
+    root = os.path.dirname(CONFIGS)
+    screened = json.load(open(os.path.join(root, "docs", "benchmarks", "fullstack_screen_configs",
+                                           "dp200_sqrtlr_q3_delayed.json")))
+    shipped = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3_delayed.json")))
+    assert shipped == screened
+    mix = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))
+    dp = dict(mix["twocircuit"]["dp"])
+    assert dp.pop("merge_alpha") == 0.5
+    assert shipped == {**mix, "twocircuit": {**mix["twocircuit"], "dp": {**dp, "merge_rule": "delayed"}}}
+    screen_rows = [r for r in _benchmark_rows("fullstack_screen") if r["label"] == "dp200_sqrtlr_q3_delayed"]
+    assert {r["domain"] for r in screen_rows} == {"sympy", "deepspeed-cpp"}
+    assert all(r["config"] == "docs/benchmarks/fullstack_screen_configs/dp200_sqrtlr_q3_delayed.json"
+               and r["overrides"] == [] for r in screen_rows)
+    plan_dp = TwoCircuitConfig.from_dict(shipped["twocircuit"]).dp
+    assert plan_dp.merge_rule == "delayed" and plan_dp.outer_lr == 1.0
 
 
 def test_lowrank20_metric98_is_lowrank20_plus_the_screened_metric_layout():
