@@ -454,18 +454,18 @@ def test_the_full_stack_candidate_is_the_codec_candidate_with_the_dp_candidates_
     assert stack["twocircuit"]["dp"]["outer_lr"] == 1.0 and stack["twocircuit"]["dp"]["quant"]["bits"] == 3
     assert stack["twocircuit"]["dp"]["inner_lr_scale"] == "sqrt_replicas"
     assert stack["twocircuit"]["dp"]["merge_rule"] == "delayed" and "merge_alpha" not in stack["twocircuit"]["dp"]
-    # the rest of the 3-bit outer-lr file's sync, unchanged
+    # the mix file is the 3-bit outer-lr file's sync at outer lr 1 with the sqrt(N) inner lr; the
+    # delayed file is the mix file with only the merge rule changed (the next test)
     olr = json.load(open(os.path.join(CONFIGS, "dense_dp200_olr15_q3.json")))["twocircuit"]["dp"]
-    mix = {**olr, "outer_lr": 1.0, "inner_lr_scale": "sqrt_replicas"}
-    assert mix == json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))["twocircuit"]["dp"]
-    assert {**{k: v for k, v in mix.items() if k != "merge_alpha"}, "merge_rule": "delayed"} == sync["twocircuit"]["dp"]
+    mix = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3.json")))["twocircuit"]["dp"]
+    assert {**olr, "outer_lr": 1.0, "inner_lr_scale": "sqrt_replicas"} == mix
     assert {k: v for k, v in stack["twocircuit"].items() if k != "dp"} == \
         {k: v for k, v in codec["twocircuit"].items() if k != "dp"}
     assert {k: v for k, v in stack.items() if k != "twocircuit"} == {k: v for k, v in codec.items() if k != "twocircuit"}
 
 
 def test_the_delayed_dp_candidate_is_the_screened_config():
-    """ds_configs/dense_dp200_sqrtlr_q3_delayed.json is, byte for byte in content, the screen config whose
+    """ds_configs/dense_dp200_sqrtlr_q3_delayed.json equals, key for key, the screen config whose
     41-step rows (fullstack_screen.md, both domains) made it the DP candidate: dense_dp200_sqrtlr_q3.json
     with the delayed merge rule instead of the 50/50 mix, so its 250k-token rows train what was screened."""
     root = os.path.dirname(CONFIGS)

@@ -160,10 +160,12 @@ def test_start_up_broadcast_only_when_replicas_differ(tmp_path, runs):
 def test_the_dp_candidates_sync_is_the_same_on_deepspeed_and_the_reference_engine(tmp_path):
     """The DP candidate's sync (ds_configs/dense_dp200_sqrtlr_q3_delayed.json: 3-bit pseudo-gradients
     all-gathered, error feedback, the delayed merge rule, the inner lr times sqrt(N)), shortened to
-    fit a tiny run (H 4, 2 fragments, a 2-step window: syncs land after steps 3, 5, 7, ...), on
-    PP 2 x DP 2 through DeepSpeed and on the reference engine the quality studies run: the same
-    losses, lrs, DP bytes and final weights. SGD keeps float-order differences at ~1e-7 of a
-    weight, so a 3-bit level decided differently would show far above the tolerance."""
+    fit a tiny run (H 4, 2 fragments, a 2-step window: fragment 0's sync lands in step 5, fragment
+    1's in step 7, then the end-of-run average), on PP 2 x DP 2 through DeepSpeed and on the
+    reference engine the quality studies run: the same losses, lrs, DP bytes and final weights.
+    The two engines compute the same pseudo-gradients bit for bit (the final weights are equal
+    here, not just close), which the 3-bit rounding needs: a level decided differently would show
+    far above the tolerance."""
     from ds_twocircuit.train import run
     cfg = json.load(open(os.path.join(CONFIGS, "dense_dp200_sqrtlr_q3_delayed.json")))
     dp = cfg["twocircuit"]["dp"]
@@ -182,6 +184,9 @@ def test_the_dp_candidates_sync_is_the_same_on_deepspeed_and_the_reference_engin
     assert run(["--engine", "reference", *args(ref)]) == 0
     a, b = read_metrics(pipe), read_metrics(ref)
     assert len(a) == 9 and [m["loss"] for m in a] == pytest.approx([m["loss"] for m in b], rel=1e-5)
+    landed = [[m["step"], m["dp.completed_fragments"]] for m in a if m["dp.completed_fragments"]]
+    assert landed == [[m["step"], m["dp.completed_fragments"]] for m in b if m["dp.completed_fragments"]] \
+        == [[5, [0]], [7, [1]]]                         # both syncs land inside the loop, alike
     assert [m["lr"] for m in a] == [m["lr"] for m in b] == pytest.approx([0.05 * 2 ** 0.5] * 9)
     sa, sb = read_summary(pipe), read_summary(ref)
     assert sa["wire_bytes"]["dp"] == sb["wire_bytes"]["dp"] > 0
