@@ -119,6 +119,27 @@ def test_lowrank_state_protocol_and_reconstruction():
     assert len(bufs2) == 2 and sum(b.numel() * b.element_size() for b in bufs2) == T * group_bytes([(24, 8)])
 
 
+def test_lowrank_three_bit_coefficients_cross_in_three_eighths_of_a_byte_each():
+    """groups [[24, 3]]: 8 coefficients in 3 bytes plus the bf16 scale, decoded alike on both ends,
+    with an error between the 2-bit and the 4-bit layouts' on the same signal."""
+    torch.manual_seed(2)
+    H, T = 64, 40
+    basis = torch.linalg.qr(torch.randn(H, 24))[0]
+    x = 5.0 + torch.randn(T, 24) @ basis.T
+    err = {}
+    for bits in (2, 3, 4):
+        send, recv = _pair(groups=((24, bits),))
+        bufs = send.pack_activation(x, _msg((T, H), refresh=True))
+        assert [tuple(b.shape) for b in bufs[-2:]] == [(T, 24 * bits // 8), (T, 1)]
+        y = recv.unpack_activation([b.clone() for b in bufs], _msg((T, H), refresh=True), torch.float32)
+        err[bits] = float((y - x).norm() / (x - x.mean(0)).norm())
+        bufs2 = send.pack_activation(x, _msg((T, H), key=2))
+        assert sum(b.numel() * b.element_size() for b in bufs2) == T * group_bytes([(24, bits)])
+    assert group_bytes([(24, 3)]) == 9 + 2
+    # round to nearest at step max|c| / 3: about step / sqrt(12) of the signal, 0.21-0.25 here
+    assert err[4] < err[3] < err[2] and 0.15 < err[3] < 0.3
+
+
 def test_lowrank_first_state_even_without_refresh_and_eval_does_not_measure():
     send, recv = _pair()
     x = torch.randn(16, 64)
@@ -255,7 +276,8 @@ def test_make_codec_reads_the_codec_section():
 
 
 @pytest.mark.parametrize("section,needle", [
-    ({"mode": "lowrank", "codec": {"groups": [[10, 3]]}}, "twocircuit.codec.groups: bits = 3"),
+    ({"mode": "lowrank", "codec": {"groups": [[10, 5]]}}, "twocircuit.codec.groups: bits = 5 in [10, 5]; allowed: 2, 3, 4, 8"),
+    ({"mode": "lowrank", "codec": {"groups": [[12, 3]]}}, "count 12 in [12, 3] must be a positive multiple of 8"),
     ({"mode": "lowrank", "codec": {"groups": [[3, 4]]}}, "positive multiple of 2"),
     ({"mode": "lowrank", "codec": {"groups": []}}, "twocircuit.codec.groups must be a non-empty list"),
     ({"mode": "lowrank", "codec": {"refresh_steps": []}}, "twocircuit.codec.refresh_steps"),

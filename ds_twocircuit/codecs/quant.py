@@ -1,10 +1,11 @@
 """Grouped symmetric quantisation of per-token coefficient vectors (the ``lowrank`` codec's wire)."""
 from __future__ import annotations
 
+import math
 import torch
 
 SCALE_DTYPE = torch.bfloat16
-ALLOWED_BITS = (2, 4, 8)   # the boundary codec's layouts; the packing also takes 3 (8 values in 3 bytes)
+ALLOWED_BITS = (2, 3, 4, 8)   # the boundary codec's layouts (3 bits: 8 values in 3 bytes)
 
 
 def group_bytes(groups) -> int:
@@ -81,9 +82,10 @@ def check_groups(groups, hidden: int | None = None, key: str = "groups") -> list
         n, b = g
         if b not in ALLOWED_BITS:
             raise ValueError(f"{key}: bits = {b} in {g!r}; allowed: {', '.join(map(str, ALLOWED_BITS))}")
-        if n < 1 or n % (8 // b):
-            raise ValueError(f"{key}: count {n} in {g!r} must be a positive multiple of {8 // b} "
-                             f"(values packed per byte at {b} bits)")
+        unit = 8 // math.gcd(8, b)   # values in a whole number of bytes: 4 at 2 bits, 8 at 3
+        if n < 1 or n % unit:
+            raise ValueError(f"{key}: count {n} in {g!r} must be a positive multiple of {unit} "
+                             f"({unit} values fill {unit * b // 8} byte(s) at {b} bits)")
         out.append((n, b))
     r = sum(n for n, _ in out)
     if hidden is not None and r > hidden:
