@@ -120,7 +120,7 @@ def test_lowrank_state_protocol_and_reconstruction():
 
 
 def test_lowrank_three_bit_coefficients_cross_in_three_eighths_of_a_byte_each():
-    """groups [[24, 3]]: 8 coefficients in 3 bytes plus the bf16 scale, decoded alike on both ends,
+    """groups [[24, 3]]: 8 coefficients in 3 bytes plus the bf16 scale, decoded by the receiver
     with an error between the 2-bit and the 4-bit layouts' on the same signal."""
     torch.manual_seed(2)
     H, T = 64, 40
